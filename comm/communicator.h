@@ -1,0 +1,103 @@
+// Communicator: a group of ranks that exchange tagged point-to-point messages.
+// Created collectively from (store, rank, size, options). Communicators made by
+// split()/dup() share their parent's transports (a per-communicator id in the tag
+// keeps their traffic apart); each has an epoch number that fault tolerance bumps.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/deadline.h"
+#include "comm/request.h"
+#include "comm/store.h"
+#include "comm/topology.h"
+
+namespace crossbar {
+
+class Context;
+class ProgressEngine;
+class Transport;
+
+struct CommOptions {
+  Millis timeout{0};      // 0: CROSSBAR_TIMEOUT
+  std::string name;       // shows up in logs and errors; default "world"
+  int ranks_per_node = -1;  // -1: CROSSBAR_RANKS_PER_NODE
+};
+
+class Communicator : public std::enable_shared_from_this<Communicator> {
+ public:
+  // Collective over all `size` ranks sharing `store`.
+  static std::shared_ptr<Communicator> create(std::shared_ptr<Store> store, int rank, int size,
+                                              CommOptions options = {});
+  // From the launcher's environment (torchrun, mpirun, srun): see bootstrap.h.
+  static std::shared_ptr<Communicator> fromEnvironment(CommOptions options = {});
+  ~Communicator();
+
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(members_.size()); }
+  int localRank() const;
+  int localSize() const;
+  int node() const;
+  int numNodes() const;
+  // Ranks of this communicator on the same node as `rank`, in rank order.
+  std::vector<int> nodePeers(int rank) const;
+  int nodeOf(int rank) const;
+  const std::string& host(int rank) const;
+  uint64_t epoch() const { return epoch_; }
+  const std::string& name() const { return name_; }
+  Millis timeout() const { return timeout_; }
+  Deadline defaultDeadline() const { return Deadline::after(timeout_); }
+
+  // Point to point. Tags are 32-bit user tags; kAnySource is not supported across
+  // transports yet.
+  RequestPtr isend(const void* data, size_t bytes, int peer, uint32_t tag);
+  RequestPtr irecv(void* data, size_t capacity, int peer, uint32_t tag);
+  void send(const void* data, size_t bytes, int peer, uint32_t tag);
+  Status recv(void* data, size_t capacity, int peer, uint32_t tag);
+  // Waits for all; the first failure is thrown after the rest finished or timed out.
+  void waitAll(const std::vector<RequestPtr>& requests, Deadline deadline);
+
+  void barrier();
+  void barrier(Deadline deadline);
+
+  // Collective: ranks with the same color form a new communicator, ordered by
+  // (key, old rank). color < 0 returns nullptr (not a member).
+  std::shared_ptr<Communicator> split(int color, int key);
+  std::shared_ptr<Communicator> dup();
+
+  // Fails every pending operation with Aborted; thread-safe, idempotent, nonblocking.
+  void abort(const std::string& reason = "abort() called");
+  bool aborted() const;
+
+  // Lower layers' access.
+  int worldRank(int rank) const { return members_[rank]; }
+  Context& context() const { return *context_; }
+  ProgressEngine& engine() const;
+  Store& store() const;                   // namespaced for this communicator
+  std::shared_ptr<Store> storePtr() const;
+  const Topology& topology() const;       // indexed by world rank
+  std::string describe() const;           // "world: rank 3/8, node 1/2, local 1/4"
+
+ private:
+  Communicator() = default;
+  uint64_t fullTag(uint32_t tag) const { return (static_cast<uint64_t>(id_) << 32) | tag; }
+  std::shared_ptr<Communicator> makeChild(std::vector<int> members, int new_rank, uint32_t id,
+                                          const std::string& name);
+
+  std::shared_ptr<Context> context_;
+  std::vector<int> members_;  // communicator rank -> context (world) rank
+  int rank_ = 0;
+  uint32_t id_ = 0;           // tag namespace of this communicator
+  uint64_t epoch_ = 0;
+  uint64_t split_count_ = 0;  // collective calls to split/dup so far (agree across ranks)
+  std::string name_;
+  Millis timeout_{0};
+  std::shared_ptr<Store> store_;
+};
+
+// Reserved user tags for crossbar's own internal messages (barrier, collectives).
+constexpr uint32_t kInternalTagBase = 0xF0000000u;
+
+}  // namespace crossbar

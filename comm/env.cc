@@ -1,0 +1,138 @@
+#include "comm/env.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+
+#include "comm/errors.h"
+
+namespace crossbar::env {
+
+// THE table. Add new variables here, nowhere else.
+const std::vector<Variable>& all() {
+  static const std::vector<Variable> table = {
+      {"CROSSBAR_DEBUG", Type::kEnum, "WARN", "Log level: WARN, INFO or TRACE.", {"warn", "info", "trace"}},
+      {"CROSSBAR_DEBUG_FILE", Type::kString, "", "Write logs to this file instead of stderr (%h host, %p pid, %r rank)."},
+      {"CROSSBAR_TIMEOUT", Type::kMillis, "300s", "Default deadline of blocking operations (store waits, collectives, p2p)."},
+      {"CROSSBAR_CONNECT_TIMEOUT", Type::kMillis, "60s", "Deadline for connecting to the store and building transports."},
+      {"CROSSBAR_STORE_ADDR", Type::kString, "", "host:port of a running store (crossbar-store or rank 0's). Default MASTER_ADDR:MASTER_PORT."},
+      {"CROSSBAR_NODE_ID", Type::kInt, "-1", "Topology override: this rank's node id (virtual nodes on one machine). -1: from the host name."},
+      {"CROSSBAR_RANKS_PER_NODE", Type::kInt, "0", "Topology override: split ranks into virtual nodes of this many consecutive ranks. 0: off."},
+      {"CROSSBAR_TRANSPORT", Type::kEnum, "auto", "Transport between peers: auto (shm within a node, ucx across), shm, ucx.", {"auto", "shm", "ucx"}},
+      {"CROSSBAR_SHM_RING_SIZE", Type::kSize, "4M", "Bytes of each shared-memory receive ring (one per local peer pair and direction)."},
+      {"CROSSBAR_SPIN_US", Type::kInt, "50", "Microseconds a wait spins before it blocks."},
+      {"CROSSBAR_BIND", Type::kEnum, "none", "Bind each rank to cores: none, numa (its NUMA node's cores), core (one core per local rank).", {"none", "numa", "core"}},
+      {"CROSSBAR_UCX_TLS", Type::kString, "", "UCX_TLS to use for crossbar's UCX context (default: UCX's own choice)."},
+  };
+  return table;
+}
+
+const char* typeName(Type type) {
+  switch (type) {
+    case Type::kBool: return "bool";
+    case Type::kInt: return "int";
+    case Type::kSize: return "size";
+    case Type::kString: return "string";
+    case Type::kEnum: return "enum";
+    case Type::kMillis: return "duration";
+  }
+  return "?";
+}
+
+const Variable& lookup(std::string_view name) {
+  for (const auto& v : all())
+    if (v.name == name) return v;
+  throw InternalError(fmt::format("environment variable {} is not declared in comm/env.cc", name));
+}
+
+bool isSet(std::string_view name) {
+  lookup(name);
+  const char* value = std::getenv(std::string(name).c_str());
+  return value && *value;
+}
+
+std::string raw(std::string_view name) {
+  const Variable& v = lookup(name);
+  const char* value = std::getenv(std::string(name).c_str());
+  return (value && *value) ? std::string(value) : std::string(v.default_value);
+}
+
+static std::string lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return std::tolower(c); });
+  return out;
+}
+
+bool parseBool(std::string_view text, std::string_view what) {
+  std::string t = lower(text);
+  if (t == "1" || t == "true" || t == "yes" || t == "on") return true;
+  if (t == "0" || t == "false" || t == "no" || t == "off") return false;
+  throw InvalidArgument(fmt::format("{}={}: expected a boolean (1/0, true/false, yes/no, on/off)", what, text));
+}
+
+int64_t parseInt(std::string_view text, std::string_view what) {
+  std::string t(text);
+  char* end = nullptr;
+  errno = 0;
+  long long value = std::strtoll(t.c_str(), &end, 10);
+  if (t.empty() || *end != '\0' || errno == ERANGE)
+    throw InvalidArgument(fmt::format("{}={}: expected a decimal integer", what, text));
+  return value;
+}
+
+uint64_t parseSize(std::string_view text, std::string_view what) {
+  std::string t(text);
+  char* end = nullptr;
+  errno = 0;
+  if (t.empty() || t[0] == '-')
+    throw InvalidArgument(fmt::format("{}={}: expected a size in bytes with optional K, M, G or T suffix", what, text));
+  unsigned long long value = std::strtoull(t.c_str(), &end, 10);
+  std::string suffix = lower(end);
+  if (!suffix.empty() && suffix.back() == 'b') suffix.pop_back();  // accept "KB", "MiB" loosely
+  if (suffix.size() == 2 && suffix[1] == 'i') suffix.pop_back();
+  unsigned shift = 0;
+  if (suffix.empty()) shift = 0;
+  else if (suffix == "k") shift = 10;
+  else if (suffix == "m") shift = 20;
+  else if (suffix == "g") shift = 30;
+  else if (suffix == "t") shift = 40;
+  else throw InvalidArgument(fmt::format("{}={}: expected a size in bytes with optional K, M, G or T suffix", what, text));
+  if (end == t.c_str() || errno == ERANGE || (shift && value > (~0ull >> shift)))
+    throw InvalidArgument(fmt::format("{}={}: expected a size in bytes with optional K, M, G or T suffix", what, text));
+  return value << shift;
+}
+
+bool getBool(std::string_view name) { return parseBool(raw(name), name); }
+int64_t getInt(std::string_view name) { return parseInt(raw(name), name); }
+uint64_t getSize(std::string_view name) { return parseSize(raw(name), name); }
+std::string getString(std::string_view name) { return raw(name); }
+
+int64_t getMillis(std::string_view name) {
+  std::string t = lower(raw(name));
+  auto fail = [&] {
+    return InvalidArgument(fmt::format("{}={}: expected a duration such as 500ms, 30s, 5m or a number of milliseconds", name, raw(name)));
+  };
+  char* end = nullptr;
+  errno = 0;
+  double value = std::strtod(t.c_str(), &end);
+  if (end == t.c_str() || value < 0 || errno == ERANGE) throw fail();
+  std::string suffix(end);
+  if (suffix.empty() || suffix == "ms") return static_cast<int64_t>(value);
+  if (suffix == "s") return static_cast<int64_t>(value * 1000);
+  if (suffix == "m") return static_cast<int64_t>(value * 60'000);
+  throw fail();
+}
+
+std::string getEnum(std::string_view name) {
+  const Variable& v = lookup(name);
+  std::string t = lower(raw(name));
+  for (auto c : v.choices)
+    if (t == c) return t;
+  std::string accepted;
+  for (auto c : v.choices) accepted += (accepted.empty() ? "" : ", ") + std::string(c);
+  throw InvalidArgument(fmt::format("{}={}: accepted values are {}", name, raw(name), accepted));
+}
+
+}  // namespace crossbar::env

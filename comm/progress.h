@@ -1,0 +1,32 @@
+// ProgressEngine: drives every transport of a context. Waits spin for
+// CROSSBAR_SPIN_US, then block in poll() on the transports' fds, so many ranks on
+// few cores stay fast and nothing busy-spins without bound.
+#pragma once
+
+#include <functional>
+#include <mutex>
+#include <vector>
+
+#include "comm/deadline.h"
+
+namespace crossbar {
+
+class Transport;
+
+class ProgressEngine {
+ public:
+  ProgressEngine();
+  void add(Transport* transport);
+  void remove(Transport* transport);
+  // One pass over all transports; true if anything moved.
+  bool progressOnce();
+  // Progresses until done() is true (returns true) or deadline passes (returns false).
+  bool waitUntil(const std::function<bool()>& done, Deadline deadline);
+
+ private:
+  std::recursive_mutex mutex_;  // transports are single-threaded inside; the engine serializes
+  std::vector<Transport*> transports_;
+  int spin_us_;
+};
+
+}  // namespace crossbar
