@@ -1,0 +1,77 @@
+#include "comm/progress.h"
+
+#include <poll.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "comm/env.h"
+#include "comm/transport.h"
+
+namespace crossbar {
+
+ProgressEngine::ProgressEngine() : spin_us_(static_cast<int>(env::getInt("CROSSBAR_SPIN_US"))) {}
+
+void ProgressEngine::add(Transport* transport) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  transports_.push_back(transport);
+}
+
+void ProgressEngine::remove(Transport* transport) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  transports_.erase(std::remove(transports_.begin(), transports_.end(), transport), transports_.end());
+}
+
+bool ProgressEngine::progressOnce() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  bool moved = false;
+  for (Transport* t : transports_) moved |= t->progress();
+  return moved;
+}
+
+bool ProgressEngine::waitUntil(const std::function<bool()>& done, Deadline deadline) {
+  // Phase 1: spin (progressing) for a short while; most waits end here.
+  auto spin_end = Clock::now() + std::chrono::microseconds(spin_us_);
+  while (true) {
+    progressOnce();
+    if (done()) return true;
+    if (Clock::now() >= spin_end) break;
+  }
+  // Phase 2: block in poll() on the transports' fds between progress passes, so
+  // ranks oversubscribing cores yield the CPU to the peers they wait for.
+  std::vector<pollfd> fds;
+  while (true) {
+    if (progressOnce()) {
+      if (done()) return true;
+      continue;
+    }
+    if (done()) return true;
+    if (deadline.expired()) return false;
+    fds.clear();
+    bool can_sleep = true;
+    {
+      std::lock_guard<std::recursive_mutex> lock(mutex_);
+      for (Transport* t : transports_) {
+        if (!t->prepareSleep()) can_sleep = false;
+        t->pollFds(fds);
+      }
+    }
+    if (can_sleep) {
+      // Bounded sleep: a lost wake-up costs at most this long, never a hang.
+      int timeout_ms = static_cast<int>(std::min<int64_t>(deadline.remaining().count(), 100));
+      if (fds.empty()) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      } else {
+        ::poll(fds.data(), fds.size(), timeout_ms);
+      }
+    } else {
+      std::this_thread::yield();
+    }
+    {
+      std::lock_guard<std::recursive_mutex> lock(mutex_);
+      for (Transport* t : transports_) t->finishSleep();
+    }
+  }
+}
+
+}  // namespace crossbar
