@@ -1,6 +1,7 @@
 // Transport: tagged, nonblocking point-to-point messages between the ranks of one
-// Context (world ranks). Messages between a pair with the same tag are matched in
-// order. A receive may be larger than the message (status().bytes says how much
+// Context (world ranks). Tags are below 2^48 (kMaxTransportTag): the Communicator
+// puts a 16-bit communicator id above a 32-bit user tag. Messages between a pair
+// with the same tag are matched in order. A receive may be larger than the message (status().bytes says how much
 // came); a message larger than the receive fails it with InvalidUsage.
 //
 // Transports make progress only inside progress(), called by the ProgressEngine;
@@ -21,6 +22,8 @@ namespace crossbar {
 
 class Store;
 class Topology;
+
+constexpr uint64_t kMaxTransportTag = (uint64_t{1} << 48) - 1;
 
 class Transport {
  public:
