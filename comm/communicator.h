@@ -62,6 +62,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void barrier();
   void barrier(Deadline deadline);
 
+  // Collective clean shutdown: a barrier (bounded by the timeout, failures ignored)
+  // so no peer is still sending to us, then release this handle's resources.
+  void destroy();
+
   // Collective: ranks with the same color form a new communicator, ordered by
   // (key, old rank). color < 0 returns nullptr (not a member).
   std::shared_ptr<Communicator> split(int color, int key);
@@ -89,11 +93,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<Context> context_;
   std::vector<int> members_;  // communicator rank -> context (world) rank
   int rank_ = 0;
-  uint32_t id_ = 0;           // tag namespace of this communicator
+  uint32_t id_ = 0;           // tag namespace of this communicator (< 2^16)
   uint64_t epoch_ = 0;
   uint64_t split_count_ = 0;  // collective calls to split/dup so far (agree across ranks)
   std::string name_;
   Millis timeout_{0};
+  std::vector<int> local_peers_;  // communicator ranks on my node, in rank order
+  int local_rank_ = 0;
   std::shared_ptr<Store> store_;
 };
 

@@ -19,7 +19,7 @@ struct Variable {
   Type type;
   std::string_view default_value;  // as text, same syntax as the environment
   std::string_view description;
-  std::vector<std::string_view> choices;  // kEnum only (case-insensitive)
+  std::vector<std::string_view> choices = {};  // kEnum only (case-insensitive)
 };
 
 // Every declared variable, in declaration order.

@@ -1,0 +1,358 @@
+#include "comm/communicator.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+
+#include "comm/bootstrap.h"
+#include "comm/context.h"
+#include "comm/env.h"
+#include "comm/errors.h"
+#include "comm/file_store.h"
+#include "comm/log.h"
+
+namespace crossbar {
+
+// ------------------------------------------------------------------------------------
+// Context
+
+std::shared_ptr<Context> Context::create(std::shared_ptr<Store> store, int rank, int size,
+                                         int ranks_per_node, Deadline deadline) {
+  if (size <= 0 || rank < 0 || rank >= size)
+    throw InvalidArgument(fmt::format("{}rank {} / size {} is out of range; expected 0 <= rank < size",
+                                      errorContext(rank, "create communicator"), rank, size));
+  if (!store)
+    throw InvalidArgument(errorContext(rank, "create communicator") + "store is null");
+  auto ctx = std::shared_ptr<Context>(new Context());
+  ctx->rank_ = rank;
+  ctx->size_ = size;
+  // The n-th context this rank creates over this store is the n-th on every rank.
+  int64_t seq = store->add(fmt::format("crossbar/ctx_seq/{}", rank), 1);
+  ctx->store_ = std::make_shared<PrefixStore>(fmt::format("crossbar/ctx{}", seq), store);
+
+  // Exchange where everybody runs.
+  RankInfo me = describeThisProcess();
+  ctx->store_->set(fmt::format("rankinfo/{}", rank), me.serialize());
+  std::vector<RankInfo> infos(size);
+  for (int r = 0; r < size; ++r) {
+    try {
+      infos[r] = RankInfo::deserialize(toString(ctx->store_->get(fmt::format("rankinfo/{}", r), deadline)));
+    } catch (const Timeout&) {
+      // Name every rank that has not shown up, not only the first.
+      std::vector<int> missing;
+      for (int q = r; q < size; ++q)
+        if (!ctx->store_->check({fmt::format("rankinfo/{}", q)})) missing.push_back(q);
+      throw Timeout(fmt::format("{}{} never joined (world size {}). Check that every rank was started "
+                                "and uses the same store",
+                                errorContext(rank, "create communicator"), formatPeers(missing), size),
+                    missing);
+    }
+  }
+  if (ranks_per_node < 0) ranks_per_node = static_cast<int>(env::getInt("CROSSBAR_RANKS_PER_NODE"));
+  ctx->topology_ = Topology::build(infos, ranks_per_node);
+
+  // Route each peer: shared memory within a (virtual) node on one machine, UCX otherwise.
+  std::string mode = env::getEnum("CROSSBAR_TRANSPORT");
+  std::vector<int> shm_peers, ucx_peers;
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    bool same_machine = ctx->topology_.sameMachine(rank, p);
+    bool use_shm = mode == "shm" || (mode == "auto" && same_machine && ctx->topology_.sameNode(rank, p));
+    if (use_shm && !same_machine)
+      throw InvalidUsage(fmt::format("{}CROSSBAR_TRANSPORT=shm but rank {} runs on another machine ({}); "
+                                     "use CROSSBAR_TRANSPORT=auto",
+                                     errorContext(rank, "create communicator"), p, ctx->topology_.host(p)));
+    (use_shm ? shm_peers : ucx_peers).push_back(p);
+  }
+  ctx->route_.assign(size, nullptr);
+  auto setup = [&](const char* name, const std::vector<int>& peers) {
+    TransportSetup s;
+    s.store = std::make_shared<PrefixStore>(name, ctx->store_);
+    s.rank = rank;
+    s.size = size;
+    s.peers = peers;
+    s.topology = &ctx->topology_;
+    s.engine = &ctx->engine_;
+    s.deadline = deadline;
+    return s;
+  };
+  if (!shm_peers.empty()) {
+    ctx->transports_.push_back(makeShmTransport(setup("shm", shm_peers)));
+    for (int p : shm_peers) ctx->route_[p] = ctx->transports_.back().get();
+  }
+  if (!ucx_peers.empty()) {
+    ctx->transports_.push_back(makeUcxTransport(setup("ucx", ucx_peers)));
+    for (int p : ucx_peers) ctx->route_[p] = ctx->transports_.back().get();
+  }
+  for (auto& t : ctx->transports_) ctx->engine_.add(t.get());
+  CB_INFO("comm", "context of {} ranks ready: {}", size, ctx->transportsSummary());
+  return ctx;
+}
+
+Context::~Context() {
+  for (auto& t : transports_) engine_.remove(t.get());
+  transports_.clear();
+}
+
+const char* Context::transportName(int peer) const {
+  if (peer == rank_) return "self";
+  return route_[peer] ? route_[peer]->name() : "none";
+}
+
+std::string Context::transportsSummary() const {
+  std::map<std::string, int> counts;
+  for (int p = 0; p < size_; ++p)
+    if (p != rank_) counts[transportName(p)]++;
+  std::string out;
+  for (auto& [name, n] : counts) out += fmt::format("{}{}({} peers)", out.empty() ? "" : " ", name, n);
+  return out.empty() ? "no peers" : out;
+}
+
+void Context::abort(const std::string& reason) {
+  std::call_once(abort_once_, [&] {
+    abort_reason_ = reason;
+    aborted_.store(true);
+    auto error = std::make_exception_ptr(
+        Aborted(fmt::format("{}communicator aborted: {}", errorContext(rank_, "abort"), reason)));
+    for (auto& t : transports_) t->abort(error);
+  });
+}
+
+// ------------------------------------------------------------------------------------
+// Communicator
+
+namespace {
+Millis resolveTimeout(Millis requested) {
+  return requested.count() > 0 ? requested : defaultTimeout();
+}
+constexpr uint32_t kBarrierTag = kInternalTagBase + 1;
+constexpr uint32_t kMaxCommId = 0xFFFF;
+}  // namespace
+
+std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store, int rank, int size,
+                                                   CommOptions options) {
+  log::setRank(rank);
+  auto comm = std::shared_ptr<Communicator>(new Communicator());
+  comm->timeout_ = resolveTimeout(options.timeout);
+  auto connect_deadline = Deadline::after(std::max(comm->timeout_, Millis(env::getMillis("CROSSBAR_CONNECT_TIMEOUT"))));
+  comm->context_ = Context::create(std::move(store), rank, size, options.ranks_per_node, connect_deadline);
+  comm->members_.resize(size);
+  for (int r = 0; r < size; ++r) comm->members_[r] = r;
+  comm->rank_ = rank;
+  comm->id_ = 0;
+  comm->name_ = options.name.empty() ? "world" : options.name;
+  comm->store_ = std::make_shared<PrefixStore>("comm0", comm->context_->store());
+  comm->local_peers_ = comm->nodePeers(rank);
+  comm->local_rank_ = static_cast<int>(
+      std::find(comm->local_peers_.begin(), comm->local_peers_.end(), rank) - comm->local_peers_.begin());
+  CB_INFO("comm", "{}", comm->describe());
+  return comm;
+}
+
+std::shared_ptr<Communicator> Communicator::fromEnvironment(CommOptions options) {
+  BootstrapInfo info = detectBootstrap();
+  auto store = connectStore(info);
+  auto comm = create(std::move(store), info.rank, info.size, options);
+  bindThisProcess(comm->localRank(), comm->localSize());
+  return comm;
+}
+
+Communicator::~Communicator() = default;
+
+int Communicator::localRank() const { return local_rank_; }
+int Communicator::localSize() const { return static_cast<int>(local_peers_.size()); }
+int Communicator::node() const { return nodeOf(rank_); }
+int Communicator::nodeOf(int rank) const { return topology().node(members_.at(rank)); }
+int Communicator::numNodes() const {
+  std::vector<int> nodes;
+  for (int w : members_) nodes.push_back(topology().node(w));
+  std::sort(nodes.begin(), nodes.end());
+  return static_cast<int>(std::unique(nodes.begin(), nodes.end()) - nodes.begin());
+}
+std::vector<int> Communicator::nodePeers(int rank) const {
+  std::vector<int> out;
+  int node = nodeOf(rank);
+  for (int r = 0; r < size(); ++r)
+    if (nodeOf(r) == node) out.push_back(r);
+  return out;
+}
+const std::string& Communicator::host(int rank) const { return topology().host(members_.at(rank)); }
+ProgressEngine& Communicator::engine() const { return context_->engine(); }
+Store& Communicator::store() const { return *store_; }
+std::shared_ptr<Store> Communicator::storePtr() const { return store_; }
+const Topology& Communicator::topology() const { return context_->topology(); }
+
+std::string Communicator::describe() const {
+  return fmt::format("{}: rank {}/{}, node {}/{}, local rank {}/{}, epoch {}, {}", name_, rank_, size(), node(),
+                     numNodes(), localRank(), localSize(), epoch_, context_->transportsSummary());
+}
+
+RequestPtr Communicator::isend(const void* data, size_t bytes, int peer, uint32_t tag) {
+  if (peer < 0 || peer >= size())
+    throw InvalidArgument(fmt::format("{}peer {} is out of range for a communicator of size {}",
+                                      errorContext(rank_, "send"), peer, size()));
+  if (!data && bytes)
+    throw InvalidArgument(fmt::format("{}null buffer for {} bytes to rank {}", errorContext(rank_, "send"), bytes, peer));
+  if (context_->aborted())
+    throw Aborted(fmt::format("{}communicator {} was aborted: {}", errorContext(rank_, "send"), name_,
+                              context_->abortReason()));
+  if (peer == rank_)
+    throw InvalidUsage(fmt::format("{}sending to self (rank {}) is not supported; copy locally instead",
+                                   errorContext(rank_, "send"), peer));
+  return context_->transportTo(members_[peer]).isend(members_[peer], fullTag(tag), data, bytes);
+}
+
+RequestPtr Communicator::irecv(void* data, size_t capacity, int peer, uint32_t tag) {
+  if (peer == kAnySource)
+    throw Unsupported(errorContext(rank_, "recv") + "receiving from any source is not supported yet");
+  if (peer < 0 || peer >= size())
+    throw InvalidArgument(fmt::format("{}peer {} is out of range for a communicator of size {}",
+                                      errorContext(rank_, "recv"), peer, size()));
+  if (!data && capacity)
+    throw InvalidArgument(fmt::format("{}null buffer for {} bytes from rank {}", errorContext(rank_, "recv"), capacity, peer));
+  if (context_->aborted())
+    throw Aborted(fmt::format("{}communicator {} was aborted: {}", errorContext(rank_, "recv"), name_,
+                              context_->abortReason()));
+  if (peer == rank_)
+    throw InvalidUsage(fmt::format("{}receiving from self (rank {}) is not supported; copy locally instead",
+                                   errorContext(rank_, "recv"), peer));
+  return context_->transportTo(members_[peer]).irecv(members_[peer], fullTag(tag), data, capacity);
+}
+
+void Communicator::send(const void* data, size_t bytes, int peer, uint32_t tag) {
+  isend(data, bytes, peer, tag)->wait(defaultDeadline());
+}
+
+Status Communicator::recv(void* data, size_t capacity, int peer, uint32_t tag) {
+  auto req = irecv(data, capacity, peer, tag);
+  req->wait(defaultDeadline());
+  Status st = req->status();
+  // Report ranks of this communicator, not of the context.
+  st.source = peer;
+  st.tag = tag;
+  return st;
+}
+
+void Communicator::waitAll(const std::vector<RequestPtr>& requests, Deadline deadline) {
+  bool all = engine().waitUntil(
+      [&] {
+        for (auto& r : requests)
+          if (!r->done()) return false;
+        return true;
+      },
+      deadline);
+  // Failures first (they explain timeouts of dependent requests), then timeouts.
+  for (auto& r : requests) r->rethrowIfFailed();
+  if (!all) {
+    std::string pending;
+    for (auto& r : requests)
+      if (!r->done()) pending += (pending.empty() ? "" : "; ") + r->what();
+    throw Timeout(fmt::format("{}timed out after {} ms waiting for: {}", errorContext(rank_, "wait"),
+                              timeout_.count(), pending));
+  }
+}
+
+void Communicator::barrier() { barrier(defaultDeadline()); }
+
+void Communicator::barrier(Deadline deadline) {
+  // Dissemination barrier: log2(n) rounds of zero-byte messages.
+  const int n = size();
+  for (int k = 1; k < n; k <<= 1) {
+    int to = (rank_ + k) % n, from = (rank_ - k + n) % n;
+    auto r = irecv(nullptr, 0, from, kBarrierTag);
+    auto s = isend(nullptr, 0, to, kBarrierTag);
+    try {
+      waitAll({s, r}, deadline);
+    } catch (const Timeout&) {
+      throw Timeout(fmt::format("{}rank {} (host {}) did not arrive at the barrier within the deadline "
+                                "(round {}); it may be hung, slow, or not calling barrier()",
+                                errorContext(rank_, name_ + " barrier"), from, host(from), k),
+                    {from});
+    }
+  }
+}
+
+void Communicator::destroy() {
+  if (!context_) return;
+  if (!context_->aborted()) {
+    try {
+      barrier(Deadline::after(std::min(timeout_, Millis(10'000))));
+    } catch (const std::exception& e) {
+      CB_WARN("comm", "destroy(): final barrier failed, tearing down anyway: {}", e.what());
+    }
+  }
+  context_.reset();
+  store_.reset();
+}
+
+void Communicator::abort(const std::string& reason) { context_->abort(reason); }
+bool Communicator::aborted() const { return context_->aborted(); }
+
+std::shared_ptr<Communicator> Communicator::split(int color, int key) {
+  const std::string op = name_ + " split";
+  const uint64_t seq = split_count_++;
+  const Deadline deadline = defaultDeadline();
+  store_->set(fmt::format("split/{}/{}", seq, rank_), fmt::format("{} {}", color, key));
+  struct Entry { int color, key, rank; };
+  std::vector<Entry> entries;
+  for (int r = 0; r < size(); ++r) {
+    std::string text;
+    try {
+      text = toString(store_->get(fmt::format("split/{}/{}", seq, r), deadline));
+    } catch (const Timeout&) {
+      throw Timeout(fmt::format("{}rank {} (host {}) did not call split() within the deadline",
+                                errorContext(rank_, op), r, host(r)), {r});
+    }
+    std::istringstream in(text);
+    Entry e{0, 0, r};
+    in >> e.color >> e.key;
+    entries.push_back(e);
+  }
+  if (color < 0) return nullptr;
+  std::vector<Entry> group;
+  for (auto& e : entries)
+    if (e.color == color) group.push_back(e);
+  std::stable_sort(group.begin(), group.end(),
+                   [](const Entry& a, const Entry& b) { return a.key != b.key ? a.key < b.key : a.rank < b.rank; });
+  std::vector<int> members;
+  int new_rank = -1;
+  for (auto& e : group) {
+    if (e.rank == rank_) new_rank = static_cast<int>(members.size());
+    members.push_back(members_[e.rank]);
+  }
+  // The group's first member allocates a fresh communicator id for everyone.
+  const std::string id_key = fmt::format("split/{}/color{}", seq, color);
+  if (new_rank == 0) {
+    int64_t id = context_->store()->add("next_comm_id", 1);
+    if (id > kMaxCommId)
+      throw Unsupported(fmt::format("{}more than {} communicators were created in this job", errorContext(rank_, op),
+                                    kMaxCommId));
+    store_->set(id_key, std::to_string(id));
+  }
+  uint32_t id = static_cast<uint32_t>(std::stoul(toString(store_->get(id_key, deadline))));
+  return makeChild(std::move(members), new_rank, id, fmt::format("{}.{}", name_, seq));
+}
+
+std::shared_ptr<Communicator> Communicator::dup() { return split(0, rank_); }
+
+std::shared_ptr<Communicator> Communicator::makeChild(std::vector<int> members, int new_rank, uint32_t id,
+                                                      const std::string& name) {
+  auto child = std::shared_ptr<Communicator>(new Communicator());
+  child->context_ = context_;
+  child->members_ = std::move(members);
+  child->rank_ = new_rank;
+  child->id_ = id;
+  child->epoch_ = epoch_;
+  child->name_ = name;
+  child->timeout_ = timeout_;
+  child->store_ = std::make_shared<PrefixStore>(fmt::format("comm{}", id), context_->store());
+  child->local_peers_ = child->nodePeers(new_rank);
+  child->local_rank_ = static_cast<int>(std::find(child->local_peers_.begin(), child->local_peers_.end(), new_rank) -
+                                        child->local_peers_.begin());
+  CB_INFO("comm", "{}", child->describe());
+  return child;
+}
+
+}  // namespace crossbar
