@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs what crossbar needs on Debian 12 (idempotent), then configures and builds.
+#   scripts/setup.sh [build-dir]      (default: build)
+# Environment: CROSSBAR_CMAKE_ARGS adds CMake options; CI=true turns warnings into errors.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${1:-build}
+
+APT_PACKAGES=(build-essential cmake ninja-build pkg-config ccache git
+  libfmt-dev libhwloc-dev libucx-dev ucx-utils libgtest-dev libgmock-dev libbenchmark-dev
+  libopenmpi-dev openmpi-bin iproute2 python3 python3-pip python3-venv)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# Python packages used by the test suite and the plots (torch joins when the backend lands).
+PY_PACKAGES=(pytest matplotlib numpy)
+if [[ -f torch_backend/CMakeLists.txt ]]; then PY_PACKAGES+=(torch); fi
+need_py=()
+for p in "${PY_PACKAGES[@]}"; do python3 -c "import $p" 2>/dev/null || need_py+=("$p"); done
+if ((${#need_py[@]})); then
+  echo "setup: pip installing ${need_py[*]}"
+  python3 -m pip install -q --disable-pip-version-check "${need_py[@]}"
+fi
+
+CMAKE_ARGS=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo)
+if [[ "${CI:-}" == "true" ]]; then CMAKE_ARGS+=(-DCROSSBAR_WERROR=ON); fi
+# shellcheck disable=SC2206
+CMAKE_ARGS+=(${CROSSBAR_CMAKE_ARGS:-})
+cmake -S . -B "$BUILD_DIR" "${CMAKE_ARGS[@]}" >/dev/null
+echo "setup: building in $BUILD_DIR ($(nproc) cores)"
+cmake --build "$BUILD_DIR" -j "$(nproc)"
