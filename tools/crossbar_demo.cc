@@ -101,22 +101,25 @@ int rankMain(const Args& a, int rank, int size, std::shared_ptr<Store> store) {
   world->barrier();
   if (rank == 0) fmt::print("# ring exchange of 1 MiB per rank: {}\n", wrong ? "WRONG" : "ok");
 
-  // Ping-pong from rank 0 to one peer per transport.
+  // Ping-pong from rank 0 to one peer per transport: the first peer in rank 0's
+  // (virtual) node and the first one outside it. Every rank computes the same list.
   std::vector<int> targets;
-  std::vector<std::string> seen;
+  int same = -1, other = -1;
   for (int p = 1; p < size; ++p) {
-    std::string t = world->context().transportName(p);
-    if (std::find(seen.begin(), seen.end(), t) == seen.end()) {
-      seen.push_back(t);
-      targets.push_back(p);
+    if (world->nodeOf(p) == world->nodeOf(0)) {
+      if (same < 0) same = p;
+    } else if (other < 0) {
+      other = p;
     }
   }
+  for (int p : {same, other})
+    if (p > 0) targets.push_back(p);
   std::vector<char> buf(a.max_bytes);
   std::memset(buf.data(), 1, buf.size());
   for (int peer : targets) {
     if (rank == 0)
       fmt::print("#\n# ping-pong rank 0 <-> rank {} over {}\n# {:>12} {:>12} {:>12}\n", peer,
-                 world->context().transportName(peer), "size(B)", "time(us)", "bw(GB/s)");
+                 world->context().transportName(world->worldRank(peer)), "size(B)", "time(us)", "bw(GB/s)");
     for (size_t bytes = 8; bytes <= a.max_bytes; bytes *= 8) {
       if (rank == 0 || rank == peer) {
         int iters = bytes >= (1u << 20) ? std::max(3, a.iters / 4) : a.iters * 5;
