@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/store.h"
 
@@ -27,6 +28,10 @@ struct BootstrapInfo {
 // InvalidArgument naming the missing or malformed variables and the launchers tried.
 BootstrapInfo detectBootstrap(const std::map<std::string, std::string>& environment);
 BootstrapInfo detectBootstrap();
+
+// Expands a Slurm host list: "node[01-03,07],login" -> node01 node02 node03 node07 login
+// (zero padding kept; several bracket groups in one name multiply). InvalidArgument if malformed.
+std::vector<std::string> expandHostlist(const std::string& hostlist);
 
 // Connects to (or, on rank 0 when not external, serves) the TCP store.
 std::shared_ptr<Store> connectStore(const BootstrapInfo& info);
