@@ -142,7 +142,7 @@ void printAlgorithmTable(bool json, std::string& out) {
 
 // --- output ----------------------------------------------------------------------------------
 
-std::string text() {
+std::string text(bool brief) {
   std::string out;
   out += fmt::format("crossbar {}\n", CROSSBAR_VERSION);
   out += fmt::format("  build type: {}\n  CUDA: {}\n  compiler: {}\n\n",
@@ -167,6 +167,10 @@ std::string text() {
   for (const auto& t : transports())
     out += fmt::format("  {:<5} {:<13} {}\n", t.name, t.available ? "available" : "unavailable", t.detail);
 
+  if (brief) {
+    out += "\n(crossbar-info without --brief also lists every CROSSBAR_* variable and the algorithm table)\n";
+    return out;
+  }
   out += "\nenvironment variables:\n";
   auto vars = variables();
   size_t wn = 4, wt = 4, wd = 7, wc = 7;
@@ -245,23 +249,26 @@ std::string json() {
 
 void usage(FILE* out) {
   std::fprintf(out,
-               "usage: crossbar-info [--json]\n"
+               "usage: crossbar-info [--json] [--brief]\n"
                "\n"
                "Prints crossbar's version and build options, this machine's topology, the\n"
                "transports, every CROSSBAR_* environment variable (type, default, current value)\n"
                "and the collective algorithm table.\n"
                "  --json   one JSON object instead of text\n"
+               "  --brief  version, build, topology and transports only\n"
                "  --help   show this help\n");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool as_json = false;
+  bool as_json = false, brief = false;
   for (int i = 1; i < argc; ++i) {
     std::string_view arg = argv[i];
     if (arg == "--json") {
       as_json = true;
+    } else if (arg == "--brief") {
+      brief = true;
     } else if (arg == "--help" || arg == "-h") {
       usage(stdout);
       return 0;
@@ -272,7 +279,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    std::string out = as_json ? json() : text();
+    std::string out = as_json ? json() : text(brief);
     std::fwrite(out.data(), 1, out.size(), stdout);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "crossbar-info: %s\n", e.what());
