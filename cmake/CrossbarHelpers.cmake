@@ -24,6 +24,9 @@ function(crossbar_layer)
   target_link_libraries(crossbar_${L_NAME} PUBLIC ${L_DEPS} PRIVATE ${L_PRIVATE_DEPS})
   crossbar_target_defaults(crossbar_${L_NAME})
   set_property(GLOBAL APPEND PROPERTY CROSSBAR_LAYERS crossbar_${L_NAME})
+  # Headers install where sources include them from: "symmem/cuda/vmm.h" ->
+  # include/crossbar/symmem/cuda/vmm.h.
+  file(RELATIVE_PATH rel ${CMAKE_SOURCE_DIR} ${CMAKE_CURRENT_SOURCE_DIR})
   file(GLOB headers ${CMAKE_CURRENT_SOURCE_DIR}/*.h)
-  install(FILES ${headers} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/crossbar/${L_NAME})
+  install(FILES ${headers} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/crossbar/${rel})
 endfunction()
