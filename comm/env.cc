@@ -25,6 +25,8 @@ const std::vector<Variable>& all() {
       {"CROSSBAR_SPIN_US", Type::kInt, "50", "Microseconds a wait spins before it blocks."},
       {"CROSSBAR_BIND", Type::kEnum, "none", "Bind each rank to cores: none, numa (its NUMA node's cores), core (one core per local rank).", {"none", "numa", "core"}},
       {"CROSSBAR_UCX_TLS", Type::kString, "", "UCX_TLS to use for crossbar's UCX context (default: UCX's own choice)."},
+      {"CROSSBAR_ALGO", Type::kString, "", "Collective algorithm override: one name for every collective that has it (ring), or collective=name pairs (allreduce=ring,allgather=bruck). See crossbar-info's algorithm table."},
+      {"CROSSBAR_COLL_CHUNK_SIZE", Type::kSize, "512K", "Bytes per pipelined chunk of the host ring/chain collectives."},
   };
   return table;
 }

@@ -1,0 +1,97 @@
+// Algorithm registry of the collectives layer. An algorithm is a named function that
+// runs one collective over a Communicator; each declares when it applies, so the
+// selection table (selection.h) can fall back when it does not. Host algorithms over
+// point-to-point live in host_algorithms.cc; later paths (symmetric memory, CUDA)
+// register more entries with registerAlgorithm() and new table rows.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collectives/collectives.h"
+#include "collectives/dtype.h"
+#include "comm/communicator.h"
+#include "comm/deadline.h"
+
+namespace crossbar {
+
+enum class CollType {
+  kAllreduce,
+  kAllgather,
+  kReduceScatter,
+  kBroadcast,
+  kReduce,
+  kAlltoall,
+  kAlltoallv,
+  kGather,
+  kScatter,
+  kBarrier,
+  kSend,
+  kRecv,
+};
+inline constexpr int kNumCollTypes = 12;
+const char* collTypeName(CollType c);  // "allreduce", "reduce_scatter", ...
+bool parseCollType(const std::string& name, CollType* out);
+
+// Everything one call describes; pointers are the caller's buffers.
+struct CollArgs {
+  CollType coll = CollType::kAllreduce;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t count = 0;  // elements (per rank where the API says so)
+  DataType type = DataType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  int root = 0;
+  double premul_scalar = 1.0;
+  std::vector<size_t> send_counts, send_displs, recv_counts, recv_displs;  // alltoallv
+  int peer = -1;                                                           // send/recv
+  uint32_t tag = 0;                                                        // send/recv (user tag)
+
+  // The size the selection table keys on: nccl-tests' "size" (the largest buffer).
+  size_t selectionBytes(int nranks) const;
+  std::string describe() const;  // "allreduce 4096 x float sum"
+};
+
+// Lazily created sub-communicators for hierarchical algorithms.
+struct HierComms {
+  std::shared_ptr<Communicator> intra;  // ranks of my node, by rank
+  std::shared_ptr<Communicator> inter;  // ranks with my local index, by node
+};
+
+// What an algorithm runs with.
+struct RunContext {
+  Communicator* comm = nullptr;
+  uint32_t tag = 0;  // base tag of this operation (sub-tags are added)
+  Deadline deadline = Deadline::never();
+  size_t chunk_bytes = 512 * 1024;
+  const HierComms* hier = nullptr;  // set when the algorithm needs it
+};
+
+struct Algorithm {
+  CollType coll;
+  std::string name;
+  std::string summary;  // one line for the table printout
+  // Empty string: applies; otherwise why not (for the log and errors).
+  std::function<std::string(const CollArgs&, const Communicator&)> applies;
+  std::function<void(const CollArgs&, RunContext&)> run;
+  bool needs_hier = false;  // needs RunContext::hier
+};
+
+// Every registered algorithm (host ones included), in registration order. A deque:
+// pointers from findAlgorithm() stay valid when more are registered.
+const std::deque<Algorithm>& algorithms();
+const Algorithm* findAlgorithm(CollType coll, const std::string& name);
+void registerAlgorithm(Algorithm a);
+
+// Defined in host_algorithms.cc; called once by algorithms().
+void registerHostAlgorithms(std::deque<Algorithm>& out);
+
+// Whether every node of `comm` has the same number of ranks (hierarchical needs it).
+bool uniformNodes(const Communicator& comm);
+
+}  // namespace crossbar

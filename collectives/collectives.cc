@@ -1,0 +1,636 @@
+// Collectives: argument validation, algorithm selection and the ordered Work queue.
+//
+// Execution model. Each Collectives owns a FIFO of operations and one worker thread.
+// Exactly one operation executes at a time (the `executing` flag), always the queue's
+// head, so operations run in issue order on every rank -- what makes the per-operation
+// tags agree across ranks. A thread that waits on a Work may itself execute the head
+// when nothing is executing (instead of waking the worker and sleeping): a blocking
+// call then costs no thread hand-off, and ordering still holds because only the head
+// is ever claimed. Selection (and the lazy creation of hierarchical sub-communicators,
+// a collective split) happens in the issuing thread, so those run in issue order too.
+//
+// A failed operation leaves its peers' traffic in an unknown state, so the error is
+// sticky: every later operation of this Collectives fails at once with the same error
+// type, naming the first failure, instead of each waiting out its deadline.
+#include "collectives/collectives.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "collectives/algorithms.h"
+#include "collectives/selection.h"
+#include "comm/env.h"
+#include "comm/errors.h"
+#include "comm/log.h"
+#include "comm/store.h"
+
+namespace crossbar {
+
+namespace {
+
+// Tags of collective traffic: above the communicator's own internal tags, 20 bits of
+// operation sequence number and 6 bits for an algorithm's sub-phases.
+constexpr uint32_t kCollTagBase = kInternalTagBase | 0x08000000u;
+constexpr uint32_t kSeqBits = 20, kSubBits = 6;
+uint32_t opTag(uint64_t seq) {
+  return kCollTagBase | (static_cast<uint32_t>(seq & ((1u << kSeqBits) - 1)) << kSubBits);
+}
+
+// The same error type as `e`, with `prefix` in front of its message.
+std::exception_ptr withPrefix(const std::exception_ptr& e, const std::string& prefix) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& err) {
+    std::string msg = prefix + err.what();
+    switch (err.code()) {
+      case ErrorCode::kInvalidArgument:
+        return std::make_exception_ptr(InvalidArgument(msg, err.peers()));
+      case ErrorCode::kInvalidUsage:
+        return std::make_exception_ptr(InvalidUsage(msg, err.peers()));
+      case ErrorCode::kTimeout:
+        return std::make_exception_ptr(Timeout(msg, err.peers()));
+      case ErrorCode::kPeerFailure:
+        return std::make_exception_ptr(PeerFailure(msg, err.peers()));
+      case ErrorCode::kAborted:
+        return std::make_exception_ptr(Aborted(msg, err.peers()));
+      case ErrorCode::kUnsupported:
+        return std::make_exception_ptr(Unsupported(msg, err.peers()));
+      case ErrorCode::kSystemError:
+        return std::make_exception_ptr(SystemError(msg, err.peers()));
+      case ErrorCode::kCudaError:
+        return std::make_exception_ptr(CudaError(msg, err.peers()));
+      case ErrorCode::kNcclError:
+        return std::make_exception_ptr(NcclError(msg, err.peers()));
+      case ErrorCode::kUcxError:
+        return std::make_exception_ptr(UcxError(msg, err.peers()));
+      case ErrorCode::kInternal:
+        return std::make_exception_ptr(InternalError(msg, err.peers()));
+    }
+    return std::make_exception_ptr(InternalError(msg, err.peers()));
+  } catch (const std::exception& err) {
+    return std::make_exception_ptr(InternalError(prefix + err.what()));
+  } catch (...) {
+    return std::make_exception_ptr(InternalError(prefix + "unknown exception"));
+  }
+}
+
+struct Queue;
+
+class WorkImpl final : public Work {
+ public:
+  WorkImpl(std::shared_ptr<Queue> q, std::string desc) : q_(std::move(q)), desc_(std::move(desc)) {}
+  bool test() override;
+  void wait(Deadline deadline) override;
+  std::exception_ptr error() const override;
+  const std::string& description() const override { return desc_; }
+
+  std::shared_ptr<Queue> q_;
+  // Guarded by Queue::m.
+  std::function<void(Deadline)> body;
+  Millis timeout{0};
+  Deadline default_wait = Deadline::never();
+  bool done = false;
+  bool started = false;
+  std::exception_ptr err;
+  std::string desc_;
+};
+
+struct Queue {
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<WorkImpl>> items;
+  bool executing = false;
+  bool stop = false;
+  std::exception_ptr sticky;
+  std::string sticky_op;
+  int rank = -1;
+
+  bool canRunHead() const { return !executing && !items.empty(); }
+
+  // Executes the head; called and returns with `lk` held.
+  void runHead(std::unique_lock<std::mutex>& lk) {
+    std::shared_ptr<WorkImpl> w = std::move(items.front());
+    items.pop_front();
+    executing = true;
+    w->started = true;
+    std::exception_ptr first = sticky;
+    std::string first_op = sticky_op;
+    lk.unlock();
+    std::exception_ptr err;
+    if (first) {
+      err =
+          withPrefix(first, fmt::format("{}not run: an earlier operation ({}) failed, so the peers' state is "
+                                        "unknown; abort the communicator and create a new one. First error: ",
+                                        errorContext(rank, w->desc_), first_op));
+    } else {
+      try {
+        w->body(Deadline::after(w->timeout));
+      } catch (...) {
+        err = withPrefix(std::current_exception(), fmt::format("{}: ", w->desc_));
+      }
+    }
+    lk.lock();
+    w->body = nullptr;  // release captured buffers/communicators
+    w->err = err;
+    w->done = true;
+    if (err && !sticky) {
+      sticky = err;
+      sticky_op = w->desc_;
+    }
+    executing = false;
+    cv.notify_all();
+  }
+};
+
+bool WorkImpl::test() {
+  std::lock_guard<std::mutex> lk(q_->m);
+  if (done && err) std::rethrow_exception(err);
+  return done;
+}
+
+std::exception_ptr WorkImpl::error() const {
+  std::lock_guard<std::mutex> lk(q_->m);
+  return err;
+}
+
+void WorkImpl::wait(Deadline deadline) {
+  std::unique_lock<std::mutex> lk(q_->m);
+  while (!done) {
+    // Help: execute the head inline when its own deadline ends before ours (so the
+    // wait cannot overrun the caller's deadline by running it).
+    if (q_->canRunHead() && Clock::now() + q_->items.front()->timeout <= deadline.at()) {
+      q_->runHead(lk);
+      continue;
+    }
+    if (deadline.expired()) {
+      throw Timeout(
+          fmt::format("{}{} did not finish before the wait's deadline ({}); it may be waiting for a "
+                      "slow or hung peer, or for earlier operations. Wait longer or raise the timeout",
+                      errorContext(q_->rank, "wait"), desc_,
+                      started ? "it is running" : "it is still queued behind earlier operations"));
+    }
+    q_->cv.wait_for(lk, std::min<Millis>(deadline.remaining(), Millis(100)));
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+bool overlaps(const void* a, size_t alen, const void* b, size_t blen) {
+  if (!a || !b || !alen || !blen) return false;
+  auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + blen && y < x + alen;
+}
+
+bool isP2p(CollType c) {
+  return c == CollType::kSend || c == CollType::kRecv;
+}
+
+bool hasReduceOp(CollType c) {
+  return c == CollType::kAllreduce || c == CollType::kReduceScatter || c == CollType::kReduce;
+}
+
+bool hasRoot(CollType c) {
+  return c == CollType::kBroadcast || c == CollType::kReduce || c == CollType::kGather ||
+         c == CollType::kScatter;
+}
+
+// Whether the call moves no data at all (every rank agrees, as counts must match).
+bool isEmpty(const CollArgs& a) {
+  switch (a.coll) {
+    case CollType::kBarrier:
+    case CollType::kSend:
+    case CollType::kRecv:
+    case CollType::kAlltoallv:
+      return false;
+    default:
+      return a.count == 0;
+  }
+}
+
+void validate(const CollArgs& a, const Communicator& c) {
+  const int p = c.size(), r = c.rank();
+  const char* name = collTypeName(a.coll);
+  auto fail = [&](const std::string& what) { throw InvalidArgument(errorContext(r, name) + what); };
+  if (static_cast<int>(a.type) < 0 || static_cast<int>(a.type) >= kNumDataTypes)
+    fail(fmt::format("unknown data type {}", static_cast<int>(a.type)));
+  if (hasReduceOp(a.coll)) {
+    if (static_cast<int>(a.op) < 0 || static_cast<int>(a.op) >= kNumReduceOps)
+      fail(fmt::format("unknown reduce op {}", static_cast<int>(a.op)));
+    if (!isSupported(a.type, a.op))
+      fail(fmt::format(
+          "reduce op {} is not defined for {} (premulsum needs a floating-point type); use sum and "
+          "scale",
+          reduceOpName(a.op), dataTypeName(a.type)));
+  }
+  if (hasRoot(a.coll) && (a.root < 0 || a.root >= p))
+    fail(fmt::format("root {} is out of range for a communicator of {} ranks", a.root, p));
+  const size_t es = elementSize(a.type);
+  const size_t limit = std::numeric_limits<size_t>::max() / es / static_cast<size_t>(p);
+  if (a.count > limit) fail(fmt::format("count {} x {} ranks overflows the address space", a.count, p));
+  const size_t blk = a.count * es, all = blk * p;
+  auto need = [&](const void* ptr, size_t bytes, const char* which) {
+    if (!ptr && bytes) fail(fmt::format("{} buffer is null but must hold {} bytes", which, bytes));
+  };
+  auto disjointOr = [&](const void* s, size_t slen, const void* d, size_t dlen, const void* inplace,
+                        const char* rule) {
+    if (s == inplace) return;
+    if (overlaps(s, slen, d, dlen))
+      fail(fmt::format("send and receive buffers overlap; they must be disjoint or in place ({})", rule));
+  };
+  switch (a.coll) {
+    case CollType::kAllreduce:
+      need(a.send, blk, "send");
+      need(a.recv, blk, "receive");
+      disjointOr(a.send, blk, a.recv, blk, a.recv, "send == recv");
+      break;
+    case CollType::kAllgather:
+      need(a.send, blk, "send");
+      need(a.recv, all, "receive");
+      disjointOr(a.send, blk, a.recv, all, a.recv ? static_cast<const char*>(a.recv) + r * blk : nullptr,
+                 "send == recv + rank * count");
+      break;
+    case CollType::kReduceScatter:
+      need(a.send, all, "send");
+      need(a.recv, blk, "receive");
+      disjointOr(a.recv, blk, a.send, all, a.send ? static_cast<const char*>(a.send) + r * blk : nullptr,
+                 "recv == send + rank * count");
+      break;
+    case CollType::kBroadcast:
+      need(a.recv, blk, "broadcast");
+      break;
+    case CollType::kReduce:
+      need(a.send, blk, "send");
+      if (r == a.root) {
+        need(a.recv, blk, "receive (root)");
+        disjointOr(a.send, blk, a.recv, blk, a.recv, "send == recv");
+      }
+      break;
+    case CollType::kAlltoall:
+      need(a.send, all, "send");
+      need(a.recv, all, "receive");
+      disjointOr(a.send, all, a.recv, all, a.recv, "send == recv");
+      break;
+    case CollType::kAlltoallv: {
+      const std::vector<size_t>* v[4] = {&a.send_counts, &a.send_displs, &a.recv_counts, &a.recv_displs};
+      const char* vn[4] = {"send_counts", "send_displs", "recv_counts", "recv_displs"};
+      for (int i = 0; i < 4; ++i)
+        if (v[i]->size() != static_cast<size_t>(p))
+          fail(fmt::format("{} has {} entries, expected one per rank ({})", vn[i], v[i]->size(), p));
+      size_t send_extent = 0, recv_extent = 0;
+      const size_t emax = std::numeric_limits<size_t>::max() / es;
+      for (int i = 0; i < p; ++i) {
+        if (a.send_displs[i] > emax - a.send_counts[i] || a.recv_displs[i] > emax - a.recv_counts[i])
+          fail(fmt::format("displacement + count for rank {} overflows", i));
+        send_extent = std::max(send_extent, a.send_displs[i] + a.send_counts[i]);
+        recv_extent = std::max(recv_extent, a.recv_displs[i] + a.recv_counts[i]);
+      }
+      if (a.send_counts[r] != a.recv_counts[r])
+        fail(fmt::format(
+            "send_counts[{0}] = {1} but recv_counts[{0}] = {2}; a rank's block to itself must match", r,
+            a.send_counts[r], a.recv_counts[r]));
+      need(a.send, send_extent * es, "send");
+      need(a.recv, recv_extent * es, "receive");
+      // Receive blocks must not overlap each other (they arrive in any order).
+      std::vector<int> order(p);
+      for (int i = 0; i < p; ++i) order[i] = i;
+      std::sort(order.begin(), order.end(),
+                [&](int x, int y) { return a.recv_displs[x] < a.recv_displs[y]; });
+      size_t end = 0;
+      int end_rank = -1;
+      for (int i : order) {
+        if (a.recv_counts[i] == 0) continue;
+        if (end_rank >= 0 && a.recv_displs[i] < end)
+          fail(fmt::format("receive blocks of ranks {} and {} overlap (recv_displs {} < end {} of the other)",
+                           end_rank, i, a.recv_displs[i], end));
+        if (a.recv_displs[i] + a.recv_counts[i] > end) {
+          end = a.recv_displs[i] + a.recv_counts[i];
+          end_rank = i;
+        }
+      }
+      if (a.send != a.recv && overlaps(a.send, send_extent * es, a.recv, recv_extent * es))
+        fail("send and receive buffers overlap; they must be disjoint or identical (in place)");
+      if (a.send == a.recv && (a.send_counts != a.recv_counts || a.send_displs != a.recv_displs))
+        fail("in place (send == recv) needs identical send and receive counts and displacements");
+      break;
+    }
+    case CollType::kGather:
+      need(a.send, blk, "send");
+      if (r == a.root) {
+        need(a.recv, all, "receive (root)");
+        disjointOr(a.send, blk, a.recv, all, a.recv ? static_cast<const char*>(a.recv) + r * blk : nullptr,
+                   "send == recv + root * count");
+      }
+      break;
+    case CollType::kScatter:
+      need(a.recv, blk, "receive");
+      if (r == a.root) {
+        need(a.send, all, "send (root)");
+        disjointOr(a.recv, blk, a.send, all, a.send ? static_cast<const char*>(a.send) + r * blk : nullptr,
+                   "recv == send + root * count");
+      }
+      break;
+    case CollType::kSend:
+    case CollType::kRecv:
+      if (a.peer < 0 || a.peer >= p)
+        fail(fmt::format("peer {} is out of range for a communicator of {} ranks", a.peer, p));
+      if (a.peer == r) fail(fmt::format("peer {} is this rank; copy locally instead", a.peer));
+      if (a.tag >= kInternalTagBase)
+        fail(fmt::format("tag {:#x} is reserved for crossbar (tags must be below {:#x})", a.tag,
+                         kInternalTagBase));
+      need(a.coll == CollType::kSend ? a.send : a.recv, blk, a.coll == CollType::kSend ? "send" : "receive");
+      break;
+    case CollType::kBarrier:
+      break;
+  }
+}
+
+struct Planned {
+  CollArgs args;
+  const Algorithm* algo = nullptr;
+  uint32_t tag = 0;
+  std::string desc;
+};
+
+}  // namespace
+
+void Work::wait() {
+  auto* w = dynamic_cast<WorkImpl*>(this);
+  wait(w ? w->default_wait : Deadline::after(defaultTimeout()));
+}
+
+struct Collectives::Impl {
+  std::shared_ptr<Communicator> comm;
+  std::shared_ptr<Queue> q = std::make_shared<Queue>();
+  std::thread worker;
+  std::mutex issue_m;  // serializes issuing: sequence numbers, group state, sub-communicators
+  uint64_t seq = 0;
+  AlgoOverride env_override;
+  size_t chunk_bytes = 512 * 1024;
+  std::shared_ptr<HierComms> hier;
+  int group_depth = 0;
+  std::vector<Planned> group;
+  std::shared_ptr<WorkImpl> group_work;
+
+  Planned plan(CollArgs a, const CollOptions& o);
+  std::function<void(Deadline)> makeBody(std::vector<Planned> ops);
+  WorkPtr submit(CollArgs a, const CollOptions& o);
+  void enqueue(const std::shared_ptr<WorkImpl>& w, Millis timeout);
+  Millis timeoutOf(const CollOptions& o) const { return o.timeout.count() > 0 ? o.timeout : comm->timeout(); }
+};
+
+Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
+  validate(a, *comm);
+  Selection s = selectAlgorithm(a, *comm, o.algorithm, env_override);
+  if (s.algorithm->needs_hier && !hier) {
+    // Collective (split); every rank selects the same algorithm for the same call.
+    auto h = std::make_shared<HierComms>();
+    h->intra = comm->split(comm->node(), comm->rank());
+    h->inter = comm->split(comm->localRank(), comm->node());
+    hier = std::move(h);
+  }
+  Planned pl;
+  pl.args = std::move(a);
+  pl.algo = s.algorithm;
+  pl.tag = opTag(seq++);
+  pl.desc = fmt::format("{} ({})", pl.args.describe(), s.algorithm->name);
+  CB_INFO("coll", "{}: #{} {} [{}]", comm->name(), seq - 1, pl.desc, s.reason);
+  return pl;
+}
+
+std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> ops) {
+  return [comm = comm, ops = std::move(ops), chunk = chunk_bytes, hier = hier](Deadline deadline) {
+    RunContext x;
+    x.comm = comm.get();
+    x.deadline = deadline;
+    x.chunk_bytes = chunk;
+    x.hier = hier.get();
+    if (ops.size() == 1 && !isP2p(ops[0].args.coll)) {
+      if (isEmpty(ops[0].args)) return;
+      x.tag = ops[0].tag;
+      ops[0].algo->run(ops[0].args, x);
+      return;
+    }
+    // A group (or a lone send/recv): post every point-to-point first so they overlap
+    // with each other and with the group's collectives, then wait for all.
+    std::vector<RequestPtr> reqs;
+    std::vector<size_t> expect;
+    for (const Planned& op : ops) {
+      const CollArgs& a = op.args;
+      const size_t bytes = a.count * elementSize(a.type);
+      if (a.coll == CollType::kSend) {
+        reqs.push_back(comm->isend(a.send, bytes, a.peer, a.tag));
+        expect.push_back(SIZE_MAX);
+      } else if (a.coll == CollType::kRecv) {
+        reqs.push_back(comm->irecv(a.recv, bytes, a.peer, a.tag));
+        expect.push_back(bytes);
+      }
+    }
+    for (const Planned& op : ops) {
+      if (isP2p(op.args.coll) || isEmpty(op.args)) continue;
+      x.tag = op.tag;
+      op.algo->run(op.args, x);
+    }
+    comm->waitAll(reqs, deadline);
+    size_t k = 0;
+    for (const Planned& op : ops) {
+      if (!isP2p(op.args.coll)) continue;
+      if (expect[k] != SIZE_MAX && reqs[k]->status().bytes != expect[k])
+        throw InvalidUsage(
+            fmt::format("{}rank {} sent {} bytes, expected {}; do the counts match?",
+                        errorContext(comm->rank(), "recv"), op.args.peer, reqs[k]->status().bytes, expect[k]),
+            {op.args.peer});
+      ++k;
+    }
+  };
+}
+
+void Collectives::Impl::enqueue(const std::shared_ptr<WorkImpl>& w, Millis timeout) {
+  std::lock_guard<std::mutex> lk(q->m);
+  w->timeout = timeout;
+  // A plain wait() allows for every operation ahead of this one to use its deadline.
+  const size_t ahead = q->items.size() + (q->executing ? 1 : 0);
+  w->default_wait = Deadline::after(timeout * static_cast<int64_t>(ahead + 1) + Millis(5000));
+  q->items.push_back(w);
+  q->cv.notify_all();
+}
+
+WorkPtr Collectives::Impl::submit(CollArgs a, const CollOptions& o) {
+  std::lock_guard<std::mutex> lk(issue_m);
+  Planned pl = plan(std::move(a), o);
+  if (group_depth > 0) {
+    group_work->timeout = std::max(group_work->timeout, timeoutOf(o));
+    group.push_back(std::move(pl));
+    return group_work;
+  }
+  auto w = std::make_shared<WorkImpl>(q, pl.desc);
+  std::vector<Planned> ops;
+  ops.push_back(std::move(pl));
+  w->body = makeBody(std::move(ops));
+  enqueue(w, timeoutOf(o));
+  return w;
+}
+
+Collectives::Collectives(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)), impl_(new Impl) {
+  if (!comm_) throw InvalidArgument("Collectives: the communicator is null");
+  impl_->comm = comm_;
+  impl_->q->rank = comm_->rank();
+  impl_->env_override = parseAlgoOverride(env::getString("CROSSBAR_ALGO"));
+  impl_->chunk_bytes = std::max<uint64_t>(env::getSize("CROSSBAR_COLL_CHUNK_SIZE"), 64);
+  impl_->worker = std::thread([q = impl_->q] {
+    std::unique_lock<std::mutex> lk(q->m);
+    while (true) {
+      q->cv.wait(lk, [&] { return q->stop || q->canRunHead(); });
+      if (q->canRunHead()) {
+        q->runHead(lk);
+        continue;
+      }
+      if (q->stop && q->items.empty()) return;
+    }
+  });
+}
+
+Collectives::~Collectives() {
+  if (impl_->group_depth > 0)
+    CB_WARN("coll",
+            "Collectives destroyed inside groupStart()/groupEnd(); the open group's {} operations never ran",
+            impl_->group.size());
+  {
+    // Drain: queued operations still run (each is bounded by its deadline).
+    std::unique_lock<std::mutex> lk(impl_->q->m);
+    impl_->q->stop = true;
+    impl_->q->cv.notify_all();
+  }
+  impl_->worker.join();
+}
+
+static CollArgs base(CollType c, const void* send, void* recv, size_t count, DataType type) {
+  CollArgs a;
+  a.coll = c;
+  a.send = send;
+  a.recv = recv;
+  a.count = count;
+  a.type = type;
+  return a;
+}
+
+WorkPtr Collectives::allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
+                               const CollOptions& o) {
+  CollArgs a = base(CollType::kAllreduce, send, recv, count, type);
+  a.op = op;
+  a.premul_scalar = o.premul_scalar;
+  return impl_->submit(std::move(a), o);
+}
+
+WorkPtr Collectives::allgather(const void* send, void* recv, size_t count, DataType type,
+                               const CollOptions& o) {
+  return impl_->submit(base(CollType::kAllgather, send, recv, count, type), o);
+}
+
+WorkPtr Collectives::reduceScatter(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
+                                   const CollOptions& o) {
+  CollArgs a = base(CollType::kReduceScatter, send, recv, count, type);
+  a.op = op;
+  a.premul_scalar = o.premul_scalar;
+  return impl_->submit(std::move(a), o);
+}
+
+WorkPtr Collectives::broadcast(void* buffer, size_t count, DataType type, int root, const CollOptions& o) {
+  CollArgs a = base(CollType::kBroadcast, buffer, buffer, count, type);
+  a.root = root;
+  return impl_->submit(std::move(a), o);
+}
+
+WorkPtr Collectives::reduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op, int root,
+                            const CollOptions& o) {
+  CollArgs a = base(CollType::kReduce, send, recv, count, type);
+  a.op = op;
+  a.root = root;
+  a.premul_scalar = o.premul_scalar;
+  return impl_->submit(std::move(a), o);
+}
+
+WorkPtr Collectives::alltoall(const void* send, void* recv, size_t count, DataType type,
+                              const CollOptions& o) {
+  return impl_->submit(base(CollType::kAlltoall, send, recv, count, type), o);
+}
+
+WorkPtr Collectives::alltoallv(const void* send, const std::vector<size_t>& send_counts,
+                               const std::vector<size_t>& send_displs, void* recv,
+                               const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_displs,
+                               DataType type, const CollOptions& o) {
+  CollArgs a = base(CollType::kAlltoallv, send, recv, 0, type);
+  a.send_counts = send_counts;
+  a.send_displs = send_displs;
+  a.recv_counts = recv_counts;
+  a.recv_displs = recv_displs;
+  return impl_->submit(std::move(a), o);
+}
+
+WorkPtr Collectives::gather(const void* send, void* recv, size_t count, int root, DataType type,
+                            const CollOptions& o) {
+  CollArgs a = base(CollType::kGather, send, recv, count, type);
+  a.root = root;
+  return impl_->submit(std::move(a), o);
+}
+
+WorkPtr Collectives::scatter(const void* send, void* recv, size_t count, int root, DataType type,
+                             const CollOptions& o) {
+  CollArgs a = base(CollType::kScatter, send, recv, count, type);
+  a.root = root;
+  return impl_->submit(std::move(a), o);
+}
+
+WorkPtr Collectives::barrier(const CollOptions& o) {
+  return impl_->submit(base(CollType::kBarrier, nullptr, nullptr, 0, DataType::kUInt8), o);
+}
+
+WorkPtr Collectives::send(const void* data, size_t count, DataType type, int peer, uint32_t tag,
+                          const CollOptions& o) {
+  CollArgs a = base(CollType::kSend, data, nullptr, count, type);
+  a.peer = peer;
+  a.tag = tag;
+  return impl_->submit(std::move(a), o);
+}
+
+WorkPtr Collectives::recv(void* data, size_t count, DataType type, int peer, uint32_t tag,
+                          const CollOptions& o) {
+  CollArgs a = base(CollType::kRecv, nullptr, data, count, type);
+  a.peer = peer;
+  a.tag = tag;
+  return impl_->submit(std::move(a), o);
+}
+
+void Collectives::groupStart() {
+  std::lock_guard<std::mutex> lk(impl_->issue_m);
+  if (impl_->group_depth++ == 0) {
+    impl_->group.clear();
+    impl_->group_work = std::make_shared<WorkImpl>(impl_->q, "group");
+    impl_->group_work->timeout = Millis(0);
+  }
+}
+
+WorkPtr Collectives::groupEnd() {
+  std::lock_guard<std::mutex> lk(impl_->issue_m);
+  if (impl_->group_depth == 0)
+    throw InvalidUsage(errorContext(comm_->rank(), "groupEnd") +
+                       "groupEnd() without a matching groupStart()");
+  std::shared_ptr<WorkImpl> w = impl_->group_work;
+  if (--impl_->group_depth > 0) return w;
+  std::string desc = fmt::format("group of {} operations", impl_->group.size());
+  for (size_t i = 0; i < impl_->group.size() && i < 4; ++i) desc += (i ? ", " : ": ") + impl_->group[i].desc;
+  if (impl_->group.size() > 4) desc += ", ...";
+  w->desc_ = desc;
+  Millis timeout = w->timeout.count() > 0 ? w->timeout : comm_->timeout();
+  w->body = impl_->makeBody(std::move(impl_->group));
+  impl_->group.clear();
+  impl_->group_work.reset();
+  impl_->enqueue(w, timeout);
+  return w;
+}
+
+}  // namespace crossbar

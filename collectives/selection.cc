@@ -1,0 +1,324 @@
+#include "collectives/selection.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "comm/env.h"
+#include "comm/errors.h"
+#include "comm/log.h"
+
+namespace crossbar {
+
+// ---- collective names and arguments --------------------------------------------------
+
+const char* collTypeName(CollType c) {
+  switch (c) {
+    case CollType::kAllreduce:
+      return "allreduce";
+    case CollType::kAllgather:
+      return "allgather";
+    case CollType::kReduceScatter:
+      return "reduce_scatter";
+    case CollType::kBroadcast:
+      return "broadcast";
+    case CollType::kReduce:
+      return "reduce";
+    case CollType::kAlltoall:
+      return "alltoall";
+    case CollType::kAlltoallv:
+      return "alltoallv";
+    case CollType::kGather:
+      return "gather";
+    case CollType::kScatter:
+      return "scatter";
+    case CollType::kBarrier:
+      return "barrier";
+    case CollType::kSend:
+      return "send";
+    case CollType::kRecv:
+      return "recv";
+  }
+  return "unknown";
+}
+
+bool parseCollType(const std::string& name, CollType* out) {
+  for (int i = 0; i < kNumCollTypes; ++i) {
+    auto c = static_cast<CollType>(i);
+    if (name == collTypeName(c)) {
+      *out = c;
+      return true;
+    }
+  }
+  if (name == "reducescatter" || name == "reduce-scatter") {
+    *out = CollType::kReduceScatter;
+    return true;
+  }
+  if (name == "bcast") {
+    *out = CollType::kBroadcast;
+    return true;
+  }
+  return false;
+}
+
+static bool hasReduceOp(CollType c) {
+  return c == CollType::kAllreduce || c == CollType::kReduceScatter || c == CollType::kReduce;
+}
+
+size_t CollArgs::selectionBytes(int nranks) const {
+  const size_t es = elementSize(type);
+  switch (coll) {
+    case CollType::kAllgather:
+    case CollType::kReduceScatter:
+    case CollType::kAlltoall:
+    case CollType::kGather:
+    case CollType::kScatter:
+      return count * es * static_cast<size_t>(nranks);
+    case CollType::kAlltoallv: {
+      size_t total = 0;
+      for (size_t c : send_counts) total += c;
+      return total * es;
+    }
+    case CollType::kBarrier:
+      return 0;
+    default:
+      return count * es;
+  }
+}
+
+std::string CollArgs::describe() const {
+  switch (coll) {
+    case CollType::kBarrier:
+      return "barrier";
+    case CollType::kSend:
+      return fmt::format("send {} x {} to rank {} tag {}", count, dataTypeName(type), peer, tag);
+    case CollType::kRecv:
+      return fmt::format("recv {} x {} from rank {} tag {}", count, dataTypeName(type), peer, tag);
+    case CollType::kAlltoallv: {
+      size_t total = 0;
+      for (size_t c : send_counts) total += c;
+      return fmt::format("alltoallv {} x {} sent", total, dataTypeName(type));
+    }
+    default:
+      break;
+  }
+  std::string s = fmt::format("{} {} x {}", collTypeName(coll), count, dataTypeName(type));
+  if (hasReduceOp(coll)) s += fmt::format(" {}", reduceOpName(op));
+  if (coll == CollType::kBroadcast || coll == CollType::kReduce || coll == CollType::kGather ||
+      coll == CollType::kScatter)
+    s += fmt::format(" root {}", root);
+  return s;
+}
+
+// ---- registry ------------------------------------------------------------------------
+
+namespace {
+std::mutex& registryMutex() {
+  static std::mutex m;
+  return m;
+}
+std::deque<Algorithm>& registry() {
+  static std::deque<Algorithm>* r = [] {
+    auto* v = new std::deque<Algorithm>();
+    registerHostAlgorithms(*v);
+    return v;
+  }();
+  return *r;
+}
+}  // namespace
+
+const std::deque<Algorithm>& algorithms() {
+  std::lock_guard<std::mutex> lock(registryMutex());
+  return registry();
+}
+
+const Algorithm* findAlgorithm(CollType coll, const std::string& name) {
+  for (const Algorithm& a : algorithms())
+    if (a.coll == coll && a.name == name) return &a;
+  return nullptr;
+}
+
+// Entries are never removed or moved (deque), so selection can hold pointers.
+void registerAlgorithm(Algorithm a) {
+  std::lock_guard<std::mutex> lock(registryMutex());
+  auto& r = registry();
+  for (const Algorithm& e : r)
+    if (e.coll == a.coll && e.name == a.name)
+      throw InvalidUsage(
+          fmt::format("algorithm {} for {} is already registered", a.name, collTypeName(a.coll)));
+  r.push_back(std::move(a));
+}
+
+bool uniformNodes(const Communicator& comm) {
+  const size_t local = comm.nodePeers(comm.rank()).size();
+  for (int r = 0; r < comm.size(); ++r)
+    if (comm.nodePeers(r).size() != local) return false;
+  return true;
+}
+
+// ---- the table -----------------------------------------------------------------------
+
+namespace {
+constexpr size_t K = 1024, M = 1024 * 1024;
+constexpr size_t kInf = std::numeric_limits<size_t>::max();
+constexpr int kAnyRanks = std::numeric_limits<int>::max();
+}  // namespace
+
+// Thresholds: latency-bound algorithms (log p rounds of the whole buffer) below the
+// point where moving 2(p-1)/p of the data in p-1 steps wins; measured on shm.
+const std::vector<SelectionRule>& selectionTable() {
+  static const std::vector<SelectionRule> table = {
+      {CollType::kAllreduce, 0, 64 * K, 1, kAnyRanks, NodeScope::kAny, "rd"},
+      {CollType::kAllreduce, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hierarchical"},
+      {CollType::kAllreduce, 64 * K, kInf, 1, kAnyRanks, NodeScope::kAny, "ring"},
+      {CollType::kAllgather, 0, 256 * K, 1, kAnyRanks, NodeScope::kAny, "rd"},  // powers of 2
+      {CollType::kAllgather, 0, 256 * K, 1, kAnyRanks, NodeScope::kAny, "bruck"},
+      {CollType::kAllgather, 256 * K, kInf, 1, kAnyRanks, NodeScope::kAny, "ring"},
+      {CollType::kReduceScatter, 0, 1 * M, 1, kAnyRanks, NodeScope::kAny, "pairwise"},
+      {CollType::kReduceScatter, 1 * M, kInf, 1, kAnyRanks, NodeScope::kAny, "ring"},
+      {CollType::kBroadcast, 0, 64 * K, 1, kAnyRanks, NodeScope::kAny, "binomial"},
+      {CollType::kBroadcast, 1 * M, kInf, 8, kAnyRanks, NodeScope::kAny, "scatter_allgather"},
+      {CollType::kBroadcast, 64 * K, kInf, 1, kAnyRanks, NodeScope::kAny, "chain"},
+      {CollType::kReduce, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "binomial"},
+      {CollType::kAlltoall, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "pairwise"},
+      {CollType::kAlltoallv, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "pairwise"},
+      {CollType::kGather, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "direct"},
+      {CollType::kScatter, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "direct"},
+      {CollType::kBarrier, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "dissemination"},
+      {CollType::kSend, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "p2p"},
+      {CollType::kRecv, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "p2p"},
+  };
+  return table;
+}
+
+static std::string fmtBytes(size_t b) {
+  if (b == kInf) return "inf";
+  if (b >= M && b % M == 0) return fmt::format("{}M", b / M);
+  if (b >= K && b % K == 0) return fmt::format("{}K", b / K);
+  return std::to_string(b);
+}
+
+static const char* scopeName(NodeScope s) {
+  switch (s) {
+    case NodeScope::kAny:
+      return "any";
+    case NodeScope::kSingle:
+      return "1";
+    case NodeScope::kMulti:
+      return ">1";
+  }
+  return "?";
+}
+
+static std::string ruleText(const SelectionRule& r) {
+  std::string ranks = r.max_ranks == kAnyRanks ? fmt::format(">={}", r.min_ranks)
+                                               : fmt::format("{}..{}", r.min_ranks, r.max_ranks);
+  return fmt::format("{:<15} {:>6} .. {:<6} ranks {:<5} nodes {:<4} -> {}", collTypeName(r.coll),
+                     fmtBytes(r.min_bytes), fmtBytes(r.max_bytes), ranks, scopeName(r.nodes), r.algorithm);
+}
+
+std::string describeAlgorithmTable() {
+  std::string out =
+      "Collective algorithm table (first matching row whose algorithm applies wins;\n"
+      "bytes = nccl-tests size: the whole buffer of allgather/reduce_scatter/alltoall/gather/scatter):\n";
+  for (const SelectionRule& r : selectionTable()) out += "  " + ruleText(r) + "\n";
+  out += "Registered algorithms:\n";
+  for (const Algorithm& a : algorithms())
+    out += fmt::format("  {:<15} {:<18} {}\n", collTypeName(a.coll), a.name, a.summary);
+  std::string env = env::getString("CROSSBAR_ALGO");
+  out += fmt::format("CROSSBAR_ALGO={}\n", env.empty() ? "(unset: table)" : env);
+  return out;
+}
+
+// ---- overrides -----------------------------------------------------------------------
+
+static std::string namesFor(CollType c) {
+  std::string s;
+  for (const Algorithm& a : algorithms())
+    if (a.coll == c) s += (s.empty() ? "" : ", ") + a.name;
+  return s;
+}
+
+AlgoOverride parseAlgoOverride(const std::string& text) {
+  AlgoOverride o;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t comma = text.find(',', pos);
+    if (comma == std::string::npos) comma = text.size();
+    std::string item = text.substr(pos, comma - pos);
+    pos = comma + 1;
+    item.erase(std::remove_if(item.begin(), item.end(), [](char ch) { return ch == ' '; }), item.end());
+    if (item.empty()) continue;
+    size_t eq = item.find('=');
+    if (eq == std::string::npos) {
+      // A bare name applies to every collective that has an algorithm of that name.
+      bool any = false;
+      for (const Algorithm& a : algorithms())
+        if (a.name == item) {
+          o.per_coll[static_cast<int>(a.coll)] = item;
+          any = true;
+        }
+      if (!any)
+        throw InvalidArgument(
+            fmt::format("CROSSBAR_ALGO={}: no collective has an algorithm named '{}'. "
+                        "Run crossbar-info for the algorithm table",
+                        text, item));
+      continue;
+    }
+    std::string cname = item.substr(0, eq), aname = item.substr(eq + 1);
+    CollType c;
+    if (!parseCollType(cname, &c))
+      throw InvalidArgument(
+          fmt::format("CROSSBAR_ALGO={}: unknown collective '{}' (allreduce, allgather, "
+                      "reduce_scatter, broadcast, reduce, alltoall, alltoallv, gather, scatter, "
+                      "barrier)",
+                      text, cname));
+    if (!findAlgorithm(c, aname))
+      throw InvalidArgument(fmt::format("CROSSBAR_ALGO={}: {} has no algorithm '{}'; choices: {}", text,
+                                        cname, aname, namesFor(c)));
+    o.per_coll[static_cast<int>(c)] = aname;
+  }
+  return o;
+}
+
+Selection selectAlgorithm(const CollArgs& args, const Communicator& comm, const std::string& forced,
+                          const AlgoOverride& env_override) {
+  std::string fallback_note;
+  auto tryNamed = [&](const std::string& name, const char* source) -> const Algorithm* {
+    const Algorithm* a = findAlgorithm(args.coll, name);
+    if (!a)
+      throw InvalidArgument(fmt::format("{}{} '{}' is not an algorithm of {}; choices: {}",
+                                        errorContext(comm.rank(), collTypeName(args.coll)), source, name,
+                                        collTypeName(args.coll), namesFor(args.coll)));
+    std::string why = a->applies(args, comm);
+    if (why.empty()) return a;
+    fallback_note = fmt::format(" ({} '{}' does not apply: {})", source, name, why);
+    return nullptr;
+  };
+  if (!forced.empty())
+    if (const Algorithm* a = tryNamed(forced, "CollOptions.algorithm")) return {a, "CollOptions.algorithm"};
+  const std::string& env_name = env_override.per_coll[static_cast<int>(args.coll)];
+  if (!env_name.empty() && forced.empty())
+    if (const Algorithm* a = tryNamed(env_name, "CROSSBAR_ALGO")) return {a, "CROSSBAR_ALGO"};
+
+  const size_t bytes = args.selectionBytes(comm.size());
+  const int n = comm.size();
+  const int nodes = comm.numNodes();
+  for (const SelectionRule& r : selectionTable()) {
+    if (r.coll != args.coll || bytes < r.min_bytes || bytes >= r.max_bytes) continue;
+    if (n < r.min_ranks || n > r.max_ranks) continue;
+    if ((r.nodes == NodeScope::kSingle && nodes != 1) || (r.nodes == NodeScope::kMulti && nodes < 2))
+      continue;
+    const Algorithm* a = findAlgorithm(args.coll, r.algorithm);
+    if (!a || !a->applies(args, comm).empty()) continue;
+    return {a, "table: " + ruleText(r) + fallback_note};
+  }
+  for (const Algorithm& a : algorithms())
+    if (a.coll == args.coll && a.applies(args, comm).empty())
+      return {&a, "fallback: first that applies" + fallback_note};
+  throw InternalError(fmt::format("{}no algorithm applies to {} on {} ranks",
+                                  errorContext(comm.rank(), "select"), args.describe(), n));
+}
+
+}  // namespace crossbar
