@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -173,7 +174,10 @@ UcxContext::UcxContext(const TransportSetup& setup, const std::string& prefix)
   params.name = "crossbar";
   st = ucp_init(&params, config, &context_);
   ucp_config_release(config);
-  if (st != UCS_OK) throwUcx(rank_, "ucx setup: ucp_init", st);
+  if (st != UCS_OK)
+    throwUcx(rank_,
+             fmt::format("ucx setup: ucp_init (transports asked: {})", tls.empty() ? "UCX default" : tls),
+             st);
 
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -194,6 +198,19 @@ UcxContext::UcxContext(const TransportSetup& setup, const std::string& prefix)
   } catch (...) {
     teardown();
     throw;
+  }
+  if (log::enabled(log::Level::kTrace)) {
+    // Which UCX transports carry each peer's traffic (lanes, protocols, thresholds).
+    for (int p : peers_) {
+      char* text = nullptr;
+      size_t length = 0;
+      if (FILE* f = open_memstream(&text, &length)) {
+        ucp_ep_print_info(slots_[p].ep, f);
+        std::fclose(f);
+        CB_TRACE("ucx", "endpoint to {}:\n{}", describePeer(p), std::string(text, length));
+        std::free(text);
+      }
+    }
   }
   CB_INFO("ucx", "connected to {} peers (TLS {})", peers_.size(), tls.empty() ? "UCX default" : tls);
 }

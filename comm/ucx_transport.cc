@@ -70,11 +70,13 @@ class UcxTransport final : public Transport {
       }
       // Sends the peer never took: force-closing their endpoints purges them.
       if (!pending_.empty()) {
-        for (auto& [ptr, op] : pending_) ctx_->forceClose(op->peer);
+        std::vector<int> peers;  // collected first: closing completes (erases) ops
+        for (auto& [id, op] : pending_) peers.push_back(op->peer);
+        for (int peer : peers) ctx_->forceClose(peer);
         ctx_->progress();
       }
       // Anything still left completes after we are gone; its callback frees it.
-      for (auto& [ptr, op] : pending_) {
+      for (auto& [id, op] : pending_) {
         op->self = nullptr;
         op.release();
       }
@@ -103,8 +105,11 @@ class UcxTransport final : public Transport {
     auto req = std::make_shared<Request>(engine_, fmt::format("ucx recv from {} tag {} ({} B buffer)",
                                                               ctx_->describePeer(peer), tag, capacity));
     std::lock_guard<std::recursive_mutex> lock(ctx_->mutex());
-    if (!admit(req, peer, tag)) return req;
+    // A peer that failed (or closed after its last send) may have left complete
+    // messages in UCX's unexpected queue: those are still delivered.
+    if (!admit(req, peer, tag, /*allow_failed_peer=*/true)) return req;
     auto op = std::make_unique<Op>(Op{this, req, peer, tag, capacity, false, next_id_++});
+    uint64_t id = op->id;
     ucp_request_param_t p{};
     // Always through the callback, which is what reports the received length.
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
@@ -112,6 +117,11 @@ class UcxTransport final : public Transport {
     p.user_data = op.get();
     void* r = ucp_tag_recv_nbx(ctx_->worker(), data, capacity, ucpTag(peer, tag), ~uint64_t{0}, &p);
     post(std::move(op), r, 0);
+    if (!req->done() && ctx_->peerStatus(peer) != UCS_OK) {
+      // Nothing queued matched, and nothing more will come from a failed peer.
+      req->fail(peerFailure(peer, req->what(), ctx_->peerStatus(peer)));
+      cancel(id);
+    }
     return req;
   }
 
@@ -145,7 +155,7 @@ class UcxTransport final : public Transport {
 
  private:
   // Checks arguments and peer state; fails `req` and returns false if it must not be posted.
-  bool admit(const RequestPtr& req, int peer, uint64_t tag) {
+  bool admit(const RequestPtr& req, int peer, uint64_t tag, bool allow_failed_peer = false) {
     if (tag > kMaxTransportTag)
       throw InvalidArgument(
           fmt::format("{}tag {} is above the transport limit 2^48-1", errorContext(rank_, req->what()), tag));
@@ -157,6 +167,7 @@ class UcxTransport final : public Transport {
       req->fail(aborted_);
       return false;
     }
+    if (allow_failed_peer && ctx_->peerStatus(peer) != UCS_OK) return true;
     if (ctx_->peerStatus(peer) != UCS_OK || !ctx_->ep(peer)) {
       req->fail(peerFailure(peer, req->what(), ctx_->peerStatus(peer)));
       return false;
@@ -250,7 +261,7 @@ class UcxTransport final : public Transport {
   // From the context's endpoint error callback (inside worker progress).
   void onPeerError(int peer, ucs_status_t status) {
     size_t failed = 0;
-    for (auto& [ptr, op] : pending_) {
+    for (auto& [id, op] : pending_) {
       if (op->peer != peer || op->req->done()) continue;
       op->req->fail(peerFailure(peer, op->req->what(), status));
       ++failed;

@@ -179,6 +179,53 @@ TEST_P(UcxTransportTest, OneGiB) {
       options());
 }
 
+// Setup is collective over `peers` only: a ring where each rank knows two neighbours.
+TEST_P(UcxTransportTest, RingOfNeighbours) {
+  runRanks(
+      4,
+      [](RankEnv& env) {
+        int right = (env.rank + 1) % env.size, left = (env.rank + env.size - 1) % env.size;
+        Endpoint ep(env, Millis(30'000), {left, right});
+        int out = env.rank * 10, in = -1;
+        auto s = ep.t->isend(right, 3, &out, sizeof(out));
+        auto r = ep.t->irecv(left, 3, &in, sizeof(in));
+        r->wait(Deadline::after(kWait));
+        s->wait(Deadline::after(kWait));
+        EXPECT_EQ(in, left * 10);
+        int far = (env.rank + 2) % env.size;
+        EXPECT_THROW(ep.t->isend(far, 3, &out, sizeof(out)), InvalidArgument);
+      },
+      options());
+}
+
+// Messages above 4 GiB (32-bit length overflows would show here). Slow and
+// memory hungry (10 GiB): run by hand with --gtest_also_run_disabled_tests.
+TEST_P(UcxTransportTest, DISABLED_FiveGiB) {
+  runRanks(
+      2,
+      [](RankEnv& env) {
+        Endpoint ep(env);
+        const size_t n = (size_t{5} << 30) + 3;
+        std::vector<uint8_t> buf(n);
+        auto deadline = Deadline::after(Millis(600'000));
+        if (env.rank == 0) {
+          fill(buf, 5);
+          ep.t->isend(1, 1, buf.data(), n)->wait(deadline);
+          ep.t->irecv(1, 2, nullptr, 0)->wait(deadline);
+        } else {
+          auto start = Clock::now();
+          auto r = ep.t->irecv(0, 1, buf.data(), n);
+          r->wait(deadline);
+          double secs = std::chrono::duration<double>(Clock::now() - start).count();
+          std::printf("5 GiB + 3 B in %.2f s (%.2f GB/s)\n", secs, n / secs / 1e9);
+          EXPECT_EQ(r->status().bytes, n);
+          EXPECT_EQ(firstMismatch(buf, n, 5), -1);
+          ep.t->isend(0, 2, nullptr, 0)->wait(deadline);
+        }
+      },
+      options(Millis(900'000)));
+}
+
 // Many tags, sent before the receives exist, received in reverse order; several
 // messages share one tag and must arrive in send order.
 TEST_P(UcxTransportTest, ManyTagsOutOfOrder) {
