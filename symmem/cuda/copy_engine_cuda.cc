@@ -62,8 +62,8 @@ void CudaCopyEngine::enqueue(std::span<const CopyOp> copies) {
     if (c.bytes == 0) continue;
     if (!c.src || !c.dst) {
       throw InvalidArgument(fmt::format("{}copy {} of {} has a null pointer (src {}, dst {}, {} bytes)",
-                                        errorContext(-1, kOp), i, copies.size(), c.src, static_cast<void*>(c.dst),
-                                        c.bytes));
+                                        errorContext(-1, kOp), i, copies.size(), c.src,
+                                        static_cast<void*>(c.dst), c.bytes));
     }
     dsts_.push_back(c.dst);
     srcs_.push_back(c.src);
@@ -86,8 +86,8 @@ void CudaCopyEngine::enqueue(std::span<const CopyOp> copies) {
     cudaGetLastError();
     // Older drivers / some pointer kinds reject batches; copy one by one from now on.
     use_batch_ = false;
-    CB_INFO("symmem", "cudaMemcpyBatchAsync failed on device {} ({}); using cudaMemcpyAsync per copy", device_,
-            cudaGetErrorString(e));
+    CB_INFO("symmem", "cudaMemcpyBatchAsync failed on device {} ({}); using cudaMemcpyAsync per copy",
+            device_, cudaGetErrorString(e));
   }
   enqueueEach(copies);
   bytes_enqueued_ += total;
@@ -144,11 +144,12 @@ void CudaCopyEngine::synchronize(Deadline deadline) const {
   for (int polls = 0;; ++polls) {
     if (query()) return;
     if (deadline.expired()) {
-      throw Timeout(fmt::format("{}device {}: copies enqueued before the last record() ({} bytes total) did not "
-                                "complete before the deadline. A stream wait on a peer's signal may never be "
-                                "satisfied (peer dead or behind?), or the GPU is hung; check nvidia-smi and "
-                                "the peers' logs",
-                                errorContext(-1, "CudaCopyEngine::synchronize"), device_, bytes_at_record_));
+      throw Timeout(
+          fmt::format("{}device {}: copies enqueued before the last record() ({} bytes total) did not "
+                      "complete before the deadline. A stream wait on a peer's signal may never be "
+                      "satisfied (peer dead or behind?), or the GPU is hung; check nvidia-smi and "
+                      "the peers' logs",
+                      errorContext(-1, "CudaCopyEngine::synchronize"), device_, bytes_at_record_));
     }
     if (polls < 1000) continue;
     sleep = std::min(std::chrono::microseconds(1000), sleep + std::chrono::microseconds(20));

@@ -41,38 +41,40 @@ Probe runProbe() {
   int driver_version = 0;
   if (cudaDriverGetVersion(&driver_version) != cudaSuccess || driver_version == 0) {
     cudaGetLastError();
-    p.reason = "no CUDA driver (libcuda.so not loadable); run on a machine with an NVIDIA GPU and driver, "
-               "or use the host (CPU) backend";
+    p.reason =
+        "no CUDA driver (libcuda.so not loadable); run on a machine with an NVIDIA GPU and driver, "
+        "or use the host (CPU) backend";
     return p;
   }
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
     cudaGetLastError();
-    p.reason = fmt::format("no usable CUDA device (driver {}.{}, cudaGetDeviceCount: {}); check "
-                           "CUDA_VISIBLE_DEVICES and nvidia-smi, or use the host (CPU) backend",
-                           driver_version / 1000, (driver_version % 1000) / 10,
-                           err == cudaSuccess ? "0 devices" : cudaGetErrorString(err));
+    p.reason = fmt::format(
+        "no usable CUDA device (driver {}.{}, cudaGetDeviceCount: {}); check "
+        "CUDA_VISIBLE_DEVICES and nvidia-smi, or use the host (CPU) backend",
+        driver_version / 1000, (driver_version % 1000) / 10,
+        err == cudaSuccess ? "0 devices" : cudaGetErrorString(err));
     return p;
   }
   p.device_count = count;
+  // ABI of CUDA 12.0 for everything (the v2 stream memory operations); multicast needs 12.1.
   std::string missing;
   DriverApi& a = p.api;
-  resolve(a.cuGetErrorName, "cuGetErrorName", 6000, &missing);
-  resolve(a.cuGetErrorString, "cuGetErrorString", 6000, &missing);
-  resolve(a.cuDeviceGet, "cuDeviceGet", 2000, &missing);
-  resolve(a.cuDeviceGetAttribute, "cuDeviceGetAttribute", 2000, &missing);
-  resolve(a.cuMemCreate, "cuMemCreate", 10020, &missing);
-  resolve(a.cuMemRelease, "cuMemRelease", 10020, &missing);
-  resolve(a.cuMemExportToShareableHandle, "cuMemExportToShareableHandle", 10020, &missing);
-  resolve(a.cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle", 10020, &missing);
-  resolve(a.cuMemAddressReserve, "cuMemAddressReserve", 10020, &missing);
-  resolve(a.cuMemAddressFree, "cuMemAddressFree", 10020, &missing);
-  resolve(a.cuMemMap, "cuMemMap", 10020, &missing);
-  resolve(a.cuMemUnmap, "cuMemUnmap", 10020, &missing);
-  resolve(a.cuMemSetAccess, "cuMemSetAccess", 10020, &missing);
-  resolve(a.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity", 10020, &missing);
-  // 11070+ are the "v2" stream memory operations (enabled by default since CUDA 12).
+  resolve(a.cuGetErrorName, "cuGetErrorName", 12000, &missing);
+  resolve(a.cuGetErrorString, "cuGetErrorString", 12000, &missing);
+  resolve(a.cuDeviceGet, "cuDeviceGet", 12000, &missing);
+  resolve(a.cuDeviceGetAttribute, "cuDeviceGetAttribute", 12000, &missing);
+  resolve(a.cuMemCreate, "cuMemCreate", 12000, &missing);
+  resolve(a.cuMemRelease, "cuMemRelease", 12000, &missing);
+  resolve(a.cuMemExportToShareableHandle, "cuMemExportToShareableHandle", 12000, &missing);
+  resolve(a.cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle", 12000, &missing);
+  resolve(a.cuMemAddressReserve, "cuMemAddressReserve", 12000, &missing);
+  resolve(a.cuMemAddressFree, "cuMemAddressFree", 12000, &missing);
+  resolve(a.cuMemMap, "cuMemMap", 12000, &missing);
+  resolve(a.cuMemUnmap, "cuMemUnmap", 12000, &missing);
+  resolve(a.cuMemSetAccess, "cuMemSetAccess", 12000, &missing);
+  resolve(a.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity", 12000, &missing);
   resolve(a.cuStreamWriteValue32, "cuStreamWriteValue32", 12000, &missing);
   resolve(a.cuStreamWriteValue64, "cuStreamWriteValue64", 12000, &missing);
   resolve(a.cuStreamWaitValue32, "cuStreamWaitValue32", 12000, &missing);
@@ -108,9 +110,13 @@ const Probe& probe() {
 
 }  // namespace
 
-bool driverAvailable() { return probe().available; }
+bool driverAvailable() {
+  return probe().available;
+}
 
-const std::string& driverUnavailableReason() { return probe().reason; }
+const std::string& driverUnavailableReason() {
+  return probe().reason;
+}
 
 const DriverApi& driver(std::string_view operation) {
   const Probe& p = probe();
@@ -118,7 +124,9 @@ const DriverApi& driver(std::string_view operation) {
   return p.api;
 }
 
-int deviceCount() { return probe().device_count; }
+int deviceCount() {
+  return probe().device_count;
+}
 
 std::string cuResultText(CUresult result) {
   const Probe& p = probe();
@@ -142,17 +150,19 @@ std::string defaultHint(bool oom) {
 
 void checkCu(CUresult result, std::string_view call, int device, std::string_view hint) {
   if (result == CUDA_SUCCESS) return;
-  std::string msg = fmt::format("{}device {}: {}. {}", errorContext(-1, call), device, cuResultText(result),
-                                hint.empty() ? defaultHint(result == CUDA_ERROR_OUT_OF_MEMORY) : std::string(hint));
+  std::string msg =
+      fmt::format("{}device {}: {}. {}", errorContext(-1, call), device, cuResultText(result),
+                  hint.empty() ? defaultHint(result == CUDA_ERROR_OUT_OF_MEMORY) : std::string(hint));
   throw CudaError(msg);
 }
 
 void checkCuda(cudaError_t error, std::string_view call, int device, std::string_view hint) {
   if (error == cudaSuccess) return;
   cudaGetLastError();  // clear non-sticky errors so the next call is not blamed
-  std::string msg = fmt::format("{}device {}: {} ({}). {}", errorContext(-1, call), device,
-                                cudaGetErrorName(error), cudaGetErrorString(error),
-                                hint.empty() ? defaultHint(error == cudaErrorMemoryAllocation) : std::string(hint));
+  std::string msg =
+      fmt::format("{}device {}: {} ({}). {}", errorContext(-1, call), device, cudaGetErrorName(error),
+                  cudaGetErrorString(error),
+                  hint.empty() ? defaultHint(error == cudaErrorMemoryAllocation) : std::string(hint));
   throw CudaError(msg);
 }
 
@@ -160,9 +170,10 @@ void ensureContext(int device, std::string_view operation) {
   const Probe& p = probe();
   if (!p.available) throw Unsupported(errorContext(-1, operation) + p.reason);
   if (device < 0 || device >= p.device_count) {
-    throw InvalidArgument(fmt::format("{}device ordinal {} is out of range: {} device(s) visible. Pass an "
-                                      "ordinal below {} (check CUDA_VISIBLE_DEVICES)",
-                                      errorContext(-1, operation), device, p.device_count, p.device_count));
+    throw InvalidArgument(
+        fmt::format("{}device ordinal {} is out of range: {} device(s) visible. Pass an "
+                    "ordinal below {} (check CUDA_VISIBLE_DEVICES)",
+                    errorContext(-1, operation), device, p.device_count, p.device_count));
   }
   checkCuda(cudaSetDevice(device), "cudaSetDevice", device);
   checkCuda(cudaFree(nullptr), "cudaFree(nullptr) (runtime init)", device);

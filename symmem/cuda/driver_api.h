@@ -32,7 +32,8 @@ struct DriverApi {
                                              CUmemAllocationHandleType) = nullptr;
   CUresult (*cuMemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
   CUresult (*cuMemAddressFree)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long) = nullptr;
+  CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                       unsigned long long) = nullptr;
   CUresult (*cuMemUnmap)(CUdeviceptr, size_t) = nullptr;
   CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
   CUresult (*cuMemGetAllocationGranularity)(size_t*, const CUmemAllocationProp*,

@@ -25,21 +25,22 @@ size_t roundToGranularity(size_t bytes, size_t granularity) {
   const size_t unit = std::lcm(granularity, kMinOffsetAlignment);
   if (bytes == 0) return unit;
   if (bytes > std::numeric_limits<size_t>::max() - (unit - 1)) {
-    throw InvalidArgument(fmt::format("{}{} bytes cannot be rounded up to a multiple of {} without overflow; "
-                                      "request a smaller buffer",
-                                      errorContext(-1, "roundToGranularity"), bytes, unit));
+    throw InvalidArgument(
+        fmt::format("{}{} bytes cannot be rounded up to a multiple of {} without overflow; "
+                    "request a smaller buffer",
+                    errorContext(-1, "roundToGranularity"), bytes, unit));
   }
   return (bytes + unit - 1) / unit * unit;
 }
 
 size_t alignOffset(size_t offset, size_t alignment) {
   if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
-    throw InvalidArgument(fmt::format("{}alignment {} is not a power of two", errorContext(-1, "alignOffset"),
-                                      alignment));
+    throw InvalidArgument(
+        fmt::format("{}alignment {} is not a power of two", errorContext(-1, "alignOffset"), alignment));
   }
   if (offset > std::numeric_limits<size_t>::max() - (alignment - 1)) {
-    throw InvalidArgument(fmt::format("{}offset {} overflows when aligned to {}", errorContext(-1, "alignOffset"),
-                                      offset, alignment));
+    throw InvalidArgument(fmt::format("{}offset {} overflows when aligned to {}",
+                                      errorContext(-1, "alignOffset"), offset, alignment));
   }
   return (offset + alignment - 1) & ~(alignment - 1);
 }
@@ -74,9 +75,10 @@ T get(const uint8_t*& p) {
 }
 
 [[noreturn]] void corrupt(const std::string& what) {
-  throw InvalidArgument(errorContext(-1, "VmmHandleInfo::deserialize") + what +
-                        ". The bytes must come unchanged from VmmHandleInfo::serialize() of the same crossbar "
-                        "version on the exporting rank; check the exchange (store key, message framing)");
+  throw InvalidArgument(
+      errorContext(-1, "VmmHandleInfo::deserialize") + what +
+      ". The bytes must come unchanged from VmmHandleInfo::serialize() of the same crossbar "
+      "version on the exporting rank; check the exchange (store key, message framing)");
 }
 
 }  // namespace
@@ -101,15 +103,18 @@ std::vector<uint8_t> VmmHandleInfo::serialize() const {
 }
 
 VmmHandleInfo VmmHandleInfo::deserialize(std::span<const uint8_t> bytes) {
-  if (bytes.size() < kHeaderBytes) corrupt(fmt::format("{} bytes is shorter than the {}-byte header", bytes.size(), kHeaderBytes));
+  if (bytes.size() < kHeaderBytes)
+    corrupt(fmt::format("{} bytes is shorter than the {}-byte header", bytes.size(), kHeaderBytes));
   const uint8_t* p = bytes.data();
   const uint32_t magic = get<uint32_t>(p);
   const uint16_t version = get<uint16_t>(p);
   const uint16_t body = get<uint16_t>(p);
   if (magic != kMagic) corrupt(fmt::format("bad magic {:#010x} (expected {:#010x})", magic, kMagic));
   if (version != kVersion) {
-    corrupt(fmt::format("format version {} is not supported (this build reads version {}); run the same "
-                        "crossbar version on every rank", version, kVersion));
+    corrupt(
+        fmt::format("format version {} is not supported (this build reads version {}); run the same "
+                    "crossbar version on every rank",
+                    version, kVersion));
   }
   if (body != kBodyBytes || bytes.size() != kTotalBytes) {
     corrupt(fmt::format("length {} (body {}) does not match the expected {} (body {})", bytes.size(), body,
@@ -184,23 +189,28 @@ VmmAllocation VmmAllocation::create(size_t bytes, int device, VmmOptions options
   ensureContext(device, kOp);
   const DriverApi& api = driver(kOp);
   if (!deviceAttribute(device, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)) {
-    throw Unsupported(fmt::format("{}device {} does not support CUDA virtual memory management; use the host "
-                                  "backend or a newer GPU/driver", errorContext(-1, kOp), device));
+    throw Unsupported(
+        fmt::format("{}device {} does not support CUDA virtual memory management; use the host "
+                    "backend or a newer GPU/driver",
+                    errorContext(-1, kOp), device));
   }
   if (!deviceAttribute(device, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)) {
-    throw Unsupported(fmt::format("{}device {} cannot export memory as POSIX file descriptors; intra-node "
-                                  "symmetric memory needs it (check the driver and that this is Linux)",
-                                  errorContext(-1, kOp), device));
+    throw Unsupported(
+        fmt::format("{}device {} cannot export memory as POSIX file descriptors; intra-node "
+                    "symmetric memory needs it (check the driver and that this is Linux)",
+                    errorContext(-1, kOp), device));
   }
-  const bool fabric = options.try_fabric && deviceAttribute(device, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED);
+  const bool fabric =
+      options.try_fabric && deviceAttribute(device, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED);
 
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = cuDevice(api, device, kOp);
-  prop.requestedHandleTypes = fabric ? static_cast<CUmemAllocationHandleType>(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR |
-                                                                              CU_MEM_HANDLE_TYPE_FABRIC)
-                                     : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.requestedHandleTypes = fabric
+                                  ? static_cast<CUmemAllocationHandleType>(
+                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC)
+                                  : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   size_t granularity = 0;
   checkCu(api.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
           "cuMemGetAllocationGranularity", device);
@@ -240,7 +250,9 @@ VmmAllocation VmmAllocation::create(size_t bytes, int device, VmmOptions options
   return a;
 }
 
-VmmAllocation::VmmAllocation(VmmAllocation&& o) noexcept { *this = std::move(o); }
+VmmAllocation::VmmAllocation(VmmAllocation&& o) noexcept {
+  *this = std::move(o);
+}
 
 VmmAllocation& VmmAllocation::operator=(VmmAllocation&& o) noexcept {
   if (this != &o) {
@@ -258,7 +270,9 @@ VmmAllocation& VmmAllocation::operator=(VmmAllocation&& o) noexcept {
   return *this;
 }
 
-VmmAllocation::~VmmAllocation() { reset(); }
+VmmAllocation::~VmmAllocation() {
+  reset();
+}
 
 void VmmAllocation::reset() noexcept {
   if (!handle_ && !ptr_) return;
@@ -316,14 +330,15 @@ VmmHandleInfo VmmAllocation::info() const {
 
 MappedPeerAllocation MappedPeerAllocation::import(const VmmHandleInfo& info, int fd, int local_device,
                                                   VmmOptions options) {
-  const std::string op = fmt::format("MappedPeerAllocation::import(pid {} allocation {})", info.pid,
-                                     info.allocation_id);
+  const std::string op =
+      fmt::format("MappedPeerAllocation::import(pid {} allocation {})", info.pid, info.allocation_id);
   ensureContext(local_device, op);
   const DriverApi& api = driver(op);
   if (info.size == 0 || info.granularity == 0 || info.size % info.granularity != 0) {
-    throw InvalidArgument(fmt::format("{}size {} is not a positive multiple of granularity {}; the handle info "
-                                      "is not from VmmAllocation::info()", errorContext(-1, op), info.size,
-                                      info.granularity));
+    throw InvalidArgument(
+        fmt::format("{}size {} is not a positive multiple of granularity {}; the handle info "
+                    "is not from VmmAllocation::info()",
+                    errorContext(-1, op), info.size, info.granularity));
   }
   MappedPeerAllocation m;
   m.device_ = local_device;
@@ -331,11 +346,12 @@ MappedPeerAllocation MappedPeerAllocation::import(const VmmHandleInfo& info, int
   m.size_ = info.size;
   CUmemGenericAllocationHandle h = 0;
   if (fd >= 0) {
-    checkCu(api.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
-                                               CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-            fmt::format("{}: cuMemImportFromShareableHandle(fd {})", op, fd), local_device,
-            "The fd must come from VmmAllocation::exportFd() in a process on this node (sent with SCM_RIGHTS) "
-            "and the exporter must still be alive");
+    checkCu(
+        api.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+        fmt::format("{}: cuMemImportFromShareableHandle(fd {})", op, fd), local_device,
+        "The fd must come from VmmAllocation::exportFd() in a process on this node (sent with SCM_RIGHTS) "
+        "and the exporter must still be alive");
   } else if (info.handle_types & kVmmHandleFabric) {
     CUmemFabricHandle fh{};
     std::memcpy(fh.data, info.fabric_handle.data(), 64);
@@ -355,13 +371,15 @@ MappedPeerAllocation MappedPeerAllocation::import(const VmmHandleInfo& info, int
   checkCu(api.cuMemMap(ptr, m.size_, 0, h, 0), fmt::format("{}: cuMemMap", op), local_device);
   m.mapped_ = true;
   auto access = accessList(api, local_device, options.access_from_peers, op);
-  checkCu(api.cuMemSetAccess(ptr, m.size_, access.data(), access.size()), fmt::format("{}: cuMemSetAccess", op),
-          local_device,
+  checkCu(api.cuMemSetAccess(ptr, m.size_, access.data(), access.size()),
+          fmt::format("{}: cuMemSetAccess", op), local_device,
           "The exporting GPU must be this GPU or one with peer access to it (nvidia-smi topo -p2p rw)");
   return m;
 }
 
-MappedPeerAllocation::MappedPeerAllocation(MappedPeerAllocation&& o) noexcept { *this = std::move(o); }
+MappedPeerAllocation::MappedPeerAllocation(MappedPeerAllocation&& o) noexcept {
+  *this = std::move(o);
+}
 
 MappedPeerAllocation& MappedPeerAllocation::operator=(MappedPeerAllocation&& o) noexcept {
   if (this != &o) {
@@ -376,7 +394,9 @@ MappedPeerAllocation& MappedPeerAllocation::operator=(MappedPeerAllocation&& o) 
   return *this;
 }
 
-MappedPeerAllocation::~MappedPeerAllocation() { reset(); }
+MappedPeerAllocation::~MappedPeerAllocation() {
+  reset();
+}
 
 void MappedPeerAllocation::reset() noexcept {
   if (!handle_ && !ptr_) return;
@@ -406,9 +426,10 @@ MulticastObject MulticastObject::create(size_t bytes, unsigned num_devices, int 
   ensureContext(device, kOp);
   const DriverApi& api = driver(kOp);
   if (!multicastSupported(device)) {
-    throw Unsupported(fmt::format("{}device {} does not support multicast (needs NVSwitch/NVLS, CUDA 12.1+ "
-                                  "driver); use unicast symmetric memory instead",
-                                  errorContext(-1, kOp), device));
+    throw Unsupported(
+        fmt::format("{}device {} does not support multicast (needs NVSwitch/NVLS, CUDA 12.1+ "
+                    "driver); use unicast symmetric memory instead",
+                    errorContext(-1, kOp), device));
   }
   if (num_devices == 0) throw InvalidArgument(errorContext(-1, kOp) + "num_devices must be at least 1");
   CUmulticastObjectProp prop{};
@@ -423,8 +444,8 @@ MulticastObject MulticastObject::create(size_t bytes, unsigned num_devices, int 
   m.device_ = device;
   m.size_ = prop.size;
   CUmemGenericAllocationHandle h = 0;
-  checkCu(api.cuMulticastCreate(&h, &prop), fmt::format("cuMulticastCreate({} bytes, {} devices)", prop.size,
-                                                        num_devices), device);
+  checkCu(api.cuMulticastCreate(&h, &prop),
+          fmt::format("cuMulticastCreate({} bytes, {} devices)", prop.size, num_devices), device);
   m.handle_ = h;
   return m;
 }
@@ -454,7 +475,9 @@ void* MulticastObject::bindAndMap(const VmmAllocation& memory) {
   return reinterpret_cast<void*>(ptr_);
 }
 
-MulticastObject::MulticastObject(MulticastObject&& o) noexcept { *this = std::move(o); }
+MulticastObject::MulticastObject(MulticastObject&& o) noexcept {
+  *this = std::move(o);
+}
 
 MulticastObject& MulticastObject::operator=(MulticastObject&& o) noexcept {
   if (this != &o) {
@@ -469,7 +492,9 @@ MulticastObject& MulticastObject::operator=(MulticastObject&& o) noexcept {
   return *this;
 }
 
-MulticastObject::~MulticastObject() { reset(); }
+MulticastObject::~MulticastObject() {
+  reset();
+}
 
 void MulticastObject::reset() noexcept {
   if (!handle_ && !ptr_) return;
@@ -478,7 +503,8 @@ void MulticastObject::reset() noexcept {
     if (mapped_) api.cuMemUnmap(ptr_, size_);
     if (ptr_) api.cuMemAddressFree(ptr_, size_);
     CUdevice dev = 0;
-    if (bound_ && api.cuDeviceGet(&dev, device_) == CUDA_SUCCESS) api.cuMulticastUnbind(handle_, dev, 0, size_);
+    if (bound_ && api.cuDeviceGet(&dev, device_) == CUDA_SUCCESS)
+      api.cuMulticastUnbind(handle_, dev, 0, size_);
     if (handle_) api.cuMemRelease(handle_);
   }
   handle_ = 0;

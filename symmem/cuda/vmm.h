@@ -34,12 +34,12 @@ struct VmmHandleInfo {
   static constexpr uint32_t kMagic = 0x4D4D5658;  // "XVMM"
   static constexpr uint16_t kVersion = 1;
 
-  uint64_t size = 0;          // bytes, a multiple of granularity
-  uint64_t granularity = 0;   // recommended granularity used when creating
-  int32_t device = -1;        // ordinal in the exporting process
-  uint32_t handle_types = 0;  // VmmHandleTypeBits the allocation can be exported as
-  int32_t pid = 0;            // exporting process (diagnostics, pidfd_getfd)
-  uint64_t allocation_id = 0; // unique per exporting process, for matching fds to infos
+  uint64_t size = 0;           // bytes, a multiple of granularity
+  uint64_t granularity = 0;    // recommended granularity used when creating
+  int32_t device = -1;         // ordinal in the exporting process
+  uint32_t handle_types = 0;   // VmmHandleTypeBits the allocation can be exported as
+  int32_t pid = 0;             // exporting process (diagnostics, pidfd_getfd)
+  uint64_t allocation_id = 0;  // unique per exporting process, for matching fds to infos
   std::array<uint8_t, 16> device_uuid{};
   std::array<uint8_t, 64> fabric_handle{};  // valid when handle_types has kVmmHandleFabric
 
@@ -50,8 +50,8 @@ struct VmmHandleInfo {
 };
 
 struct VmmOptions {
-  bool try_fabric = true;          // also request a fabric handle if the device supports it
-  bool access_from_peers = true;   // grant RW to every local device that can peer-access this one
+  bool try_fabric = true;         // also request a fabric handle if the device supports it
+  bool access_from_peers = true;  // grant RW to every local device that can peer-access this one
 };
 
 // Device memory from cuMemCreate, mapped at ptr() in this process. Move-only; the

@@ -1,7 +1,7 @@
 #include "gpu_checks.h"
 
-#include <fmt/format.h>
 #include <cuda_runtime.h>  // templated cudaMalloc overloads
+#include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -30,12 +30,14 @@ namespace {
 
 // ---- small helpers ----------------------------------------------------------------------
 
-[[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
+[[noreturn]] void fail(const std::string& what) {
+  throw std::runtime_error(what);
+}
 
-#define GC_REQUIRE(cond, ...)                                                               \
-  do {                                                                                      \
-    if (!(cond)) fail(fmt::format("{}:{}: {} failed: {}", __FILE__, __LINE__, #cond,        \
-                                  fmt::format(__VA_ARGS__)));                               \
+#define GC_REQUIRE(cond, ...)                                                                         \
+  do {                                                                                                \
+    if (!(cond))                                                                                      \
+      fail(fmt::format("{}:{}: {} failed: {}", __FILE__, __LINE__, #cond, fmt::format(__VA_ARGS__))); \
   } while (0)
 
 void cudaOk(cudaError_t e, const char* what) {
@@ -80,7 +82,8 @@ std::vector<uint8_t> recvMsg(int sock, int* fd = nullptr, int timeout_ms = 60000
   if (fd) {
     *fd = -1;
     for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(fd, CMSG_DATA(c), sizeof(int));
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+        std::memcpy(fd, CMSG_DATA(c), sizeof(int));
     }
     if (*fd < 0) fail("expected an fd (SCM_RIGHTS) in the message");
   }
@@ -144,7 +147,8 @@ void checkVmmLocal(int, int) {
   close(fd);
   GC_REQUIRE(m.ptr() != a.ptr() && m.size() == a.size(), "distinct mapping of equal size");
   auto seen = readBack(m.ptr(), m.size());
-  GC_REQUIRE(firstMismatch(seen, pattern) == SIZE_MAX, "alias read differs at byte {}", firstMismatch(seen, pattern));
+  GC_REQUIRE(firstMismatch(seen, pattern) == SIZE_MAX, "alias read differs at byte {}",
+             firstMismatch(seen, pattern));
   cudaOk(cudaMemset(m.ptr(), 0x5A, 4096), "memset through alias");
   cudaOk(cudaDeviceSynchronize(), "sync");
   auto first = readBack(a.ptr(), 4096);
@@ -195,7 +199,8 @@ void checkVmmTwoProcess(int rank, int sock) {
     MappedPeerAllocation flags = recvAllocation(sock, 0);
     GC_REQUIRE(data.size() >= bytes, "imported size {}", data.size());
     auto seen = readBack(data.ptr(), bytes);
-    GC_REQUIRE(firstMismatch(seen, a_pat) == SIZE_MAX, "rank 0's data differs at byte {}", firstMismatch(seen, a_pat));
+    GC_REQUIRE(firstMismatch(seen, a_pat) == SIZE_MAX, "rank 0's data differs at byte {}",
+               firstMismatch(seen, a_pat));
     barrier(sock);
     cudaStream_t s;
     cudaOk(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
@@ -247,7 +252,8 @@ void checkStreamSignals(int, int) {
   streamWriteValue64(other, flags, 3);
   ce.synchronize(Deadline::after(Millis(10000)));
   auto seen = readBack(dst, n);
-  GC_REQUIRE(firstMismatch(seen, pat) == SIZE_MAX, "copy result differs at byte {}", firstMismatch(seen, pat));
+  GC_REQUIRE(firstMismatch(seen, pat) == SIZE_MAX, "copy result differs at byte {}",
+             firstMismatch(seen, pat));
   uint32_t ack = 0;
   cudaOk(cudaMemcpy(&ack, flags + 1, 4, cudaMemcpyDeviceToHost), "read ack");
   GC_REQUIRE(ack == 42, "ack {}", ack);
@@ -289,9 +295,9 @@ void checkCopyEngine(int, int) {
     std::vector<CopyOp> ops;
     size_t off = 0;
     for (size_t s : sizes) {
-      ops.push_back({dsrc + off, ddst + off, s});           // D2D
-      ops.push_back({hsrc + off, ddst + total + off, s});   // H2D
-      ops.push_back({dsrc + off, hdst + off, s});           // D2H
+      ops.push_back({dsrc + off, ddst + off, s});          // D2D
+      ops.push_back({hsrc + off, ddst + total + off, s});  // H2D
+      ops.push_back({dsrc + off, hdst + off, s});          // D2H
       off += s;
     }
     ce.enqueue(ops);
@@ -300,10 +306,14 @@ void checkCopyEngine(int, int) {
     auto d2d = readBack(ddst, total);
     auto h2d = readBack(ddst + total, total);
     std::vector<uint8_t> d2h(hdst, hdst + total);
-    GC_REQUIRE(firstMismatch(d2d, hpat) == SIZE_MAX, "D2D (batch={}) differs at {}", batch, firstMismatch(d2d, hpat));
-    GC_REQUIRE(firstMismatch(h2d, pat) == SIZE_MAX, "H2D (batch={}) differs at {}", batch, firstMismatch(h2d, pat));
-    GC_REQUIRE(firstMismatch(d2h, hpat) == SIZE_MAX, "D2H (batch={}) differs at {}", batch, firstMismatch(d2h, hpat));
-    fmt::print("  copy engine: batch requested={} used={} bytes={}\n", batch, ce.usingBatch(), ce.bytesEnqueued());
+    GC_REQUIRE(firstMismatch(d2d, hpat) == SIZE_MAX, "D2D (batch={}) differs at {}", batch,
+               firstMismatch(d2d, hpat));
+    GC_REQUIRE(firstMismatch(h2d, pat) == SIZE_MAX, "H2D (batch={}) differs at {}", batch,
+               firstMismatch(h2d, pat));
+    GC_REQUIRE(firstMismatch(d2h, hpat) == SIZE_MAX, "D2H (batch={}) differs at {}", batch,
+               firstMismatch(d2h, hpat));
+    fmt::print("  copy engine: batch requested={} used={} bytes={}\n", batch, ce.usingBatch(),
+               ce.bytesEnqueued());
     cudaOk(cudaMemset(ddst, 0xAB, 2 * total), "re-poison");
     std::memset(hdst, 0xAB, total);
     cudaOk(cudaDeviceSynchronize(), "sync");
@@ -357,7 +367,10 @@ void checkKernelPutSignal(int rank, int sock) {
   GC_REQUIRE(h.outboxSlot(peer) == static_cast<uint64_t*>(peer_pad.ptr()) + rank, "outbox slot address");
 
   int clock_khz = 0;
-  cudaOk(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0), "clock rate");
+  if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0) != cudaSuccess || clock_khz <= 0) {
+    cudaGetLastError();
+    clock_khz = 2'000'000;  // assume 2 GHz when the attribute is unavailable
+  }
   const long long timeout_cycles = static_cast<long long>(clock_khz) * 1000LL * 20;  // ~20 s
   const int blocks = 8;
   barrier(sock);  // both pads zeroed and mapped before anyone signals
@@ -371,8 +384,8 @@ void checkKernelPutSignal(int rank, int sock) {
       cudaOk(cudaDeviceSynchronize(), "kernel");
       uint32_t host_flags[2] = {};
       cudaOk(cudaMemcpy(host_flags, dev_flags, 8, cudaMemcpyDeviceToHost), "read flags");
-      GC_REQUIRE(host_flags[0] == 0, "rank {} timed out waiting for the peer's signal (mode {}, epoch {})", rank,
-                 mode == SignalMode::kAdd ? "add" : "store", epoch);
+      GC_REQUIRE(host_flags[0] == 0, "rank {} timed out waiting for the peer's signal (mode {}, epoch {})",
+                 rank, mode == SignalMode::kAdd ? "add" : "store", epoch);
       GC_REQUIRE(host_flags[1] == 0, "rank {} saw {} wrong words from the peer (mode {}, epoch {})", rank,
                  host_flags[1], mode == SignalMode::kAdd ? "add" : "store", epoch);
       barrier(sock);  // the peer finished verifying before we overwrite its buffer again
@@ -393,9 +406,9 @@ void checkKernelPutSignal(int rank, int sock) {
 void checkMulticast(int, int) {
   ensureContext(0, "checkMulticast");
   if (!multicastSupported(0)) throw SkipCheck{"device 0 does not support multicast (no NVSwitch/NVLS here)"};
-  VmmAllocation mem = VmmAllocation::create(2 << 20, 0);
   MulticastObject mc = MulticastObject::create(2 << 20, 1, 0);
   mc.addDevice(0);
+  VmmAllocation mem = VmmAllocation::create(mc.size(), 0);  // the multicast granularity may exceed 2 MiB
   GC_REQUIRE(mem.size() >= mc.size(), "mc size {} vs mem {}", mc.size(), mem.size());
   void* p = mc.bindAndMap(mem);
   GC_REQUIRE(p != nullptr, "mapped");
@@ -437,7 +450,9 @@ const std::vector<Check> kChecks = {
 
 }  // namespace
 
-const std::vector<Check>& allChecks() { return kChecks; }
+const std::vector<Check>& allChecks() {
+  return kChecks;
+}
 
 const Check* findCheck(const std::string& name) {
   for (const Check& c : kChecks)
@@ -447,9 +462,12 @@ const Check* findCheck(const std::string& name) {
 
 const char* statusName(Status s) {
   switch (s) {
-    case Status::kPass: return "PASS";
-    case Status::kFail: return "FAIL";
-    case Status::kSkip: return "SKIP";
+    case Status::kPass:
+      return "PASS";
+    case Status::kFail:
+      return "FAIL";
+    case Status::kSkip:
+      return "SKIP";
   }
   return "?";
 }

@@ -22,7 +22,7 @@ struct Result {
 struct Check {
   const char* name;
   const char* description;
-  int processes;  // 1 or 2
+  int processes;                     // 1 or 2
   void (*body)(int rank, int sock);  // throws on failure; throws SkipCheck to skip
 };
 

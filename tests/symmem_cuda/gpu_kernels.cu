@@ -9,7 +9,9 @@ __host__ __device__ inline uint32_t pattern(int rank, size_t index, uint64_t epo
          static_cast<uint32_t>(epoch << 24);
 }
 
-uint32_t exchangePattern(int rank, size_t index, uint64_t epoch) { return pattern(rank, index, epoch); }
+uint32_t exchangePattern(int rank, size_t index, uint64_t epoch) {
+  return pattern(rank, index, epoch);
+}
 
 __global__ void exchangeKernel(SymmDeviceHandle h, uint32_t* errors, size_t words, uint64_t epoch,
                                uint64_t expected, long long timeout_cycles, int store_mode) {

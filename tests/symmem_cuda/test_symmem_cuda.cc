@@ -137,7 +137,8 @@ TEST(SymmDeviceHandle, PlainStructWithHostHelpers) {
 class NoDriver : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (driverAvailable()) GTEST_SKIP() << "a CUDA driver and device are present; these cover machines without";
+    if (driverAvailable())
+      GTEST_SKIP() << "a CUDA driver and device are present; these cover machines without";
   }
 };
 
@@ -191,7 +192,8 @@ TEST(CudaErrors, MessagesNameCallDeviceAndResult) {
     EXPECT_NE(msg.find("cuMemMap"), std::string::npos) << msg;
     EXPECT_NE(msg.find("device 2"), std::string::npos) << msg;
     // The name comes from the driver when present, else the number.
-    EXPECT_TRUE(msg.find("CUDA_ERROR_INVALID_VALUE") != std::string::npos || msg.find("CUresult 1") != std::string::npos)
+    EXPECT_TRUE(msg.find("CUDA_ERROR_INVALID_VALUE") != std::string::npos ||
+                msg.find("CUresult 1") != std::string::npos)
         << msg;
   }
   try {

@@ -17,14 +17,28 @@ void runNamed(const char* name) {
   EXPECT_EQ(r.status, Status::kPass) << check->description << ": " << r.message;
 }
 
-TEST(SymmemCudaGpu, VmmLocal) { runNamed("vmm_local"); }
-TEST(SymmemCudaGpu, VmmTwoProcess) { runNamed("vmm_two_process"); }
-TEST(SymmemCudaGpu, StreamSignals) { runNamed("stream_signals"); }
-TEST(SymmemCudaGpu, CopyEngine) { runNamed("copy_engine"); }
-TEST(SymmemCudaGpu, KernelPutSignal) { runNamed("kernel_put_signal"); }
-TEST(SymmemCudaGpu, Multicast) { runNamed("multicast"); }
+TEST(SymmemCudaGpu, VmmLocal) {
+  runNamed("vmm_local");
+}
+TEST(SymmemCudaGpu, VmmTwoProcess) {
+  runNamed("vmm_two_process");
+}
+TEST(SymmemCudaGpu, StreamSignals) {
+  runNamed("stream_signals");
+}
+TEST(SymmemCudaGpu, CopyEngine) {
+  runNamed("copy_engine");
+}
+TEST(SymmemCudaGpu, KernelPutSignal) {
+  runNamed("kernel_put_signal");
+}
+TEST(SymmemCudaGpu, Multicast) {
+  runNamed("multicast");
+}
 
-TEST(SymmemCudaGpu, EveryCheckHasATest) { EXPECT_EQ(allChecks().size(), 6u); }
+TEST(SymmemCudaGpu, EveryCheckHasATest) {
+  EXPECT_EQ(allChecks().size(), 6u);
+}
 
 }  // namespace
 }  // namespace crossbar::gpucheck
