@@ -294,6 +294,7 @@ ShmTransport::ShmTransport(const TransportSetup& setup, const ShmTransportOption
   ring_bytes_ = roundPow2(std::max(ring_bytes_, kMinRing));
   opt_.eager_limit = std::min(opt_.eager_limit, ring_bytes_ / 2);
   opt_.chunk_bytes = std::max<size_t>(opt_.chunk_bytes, 4096);
+  opt_.pipeline_bytes = std::clamp<size_t>(opt_.pipeline_bytes, 4096, ring_bytes_ / 2);
   peers_.resize(peers.size());
   for (size_t i = 0; i < peers.size(); ++i) {
     peers_[i].rank = peers[i];
@@ -333,10 +334,10 @@ ShmTransport::ShmTransport(const TransportSetup& setup, const ShmTransportOption
   connectAll(setup);
   inbox_.closeFd();  // every peer holds its own reference now
   next_liveness_check_ = Clock::now();
-  CB_INFO(
-      "shm", "shm transport up: {} peers, ring {} bytes, eager limit {} bytes, large messages via {}",
-      peers_.size(), ring_bytes_, opt_.eager_limit,
-      opt_.large_path == ShmTransportOptions::LargePath::kRing ? "ring" : "process_vm_readv (ring fallback)");
+  CB_INFO("shm", "shm transport up: {} peers, ring {} bytes, eager limit {} bytes, large messages via {}",
+          peers_.size(), ring_bytes_, opt_.eager_limit,
+          opt_.large_path == ShmTransportOptions::LargePath::kCma ? "process_vm_readv (ring fallback)"
+                                                                  : "the ring");
 }
 
 void ShmTransport::connectAll(const TransportSetup& setup) {
@@ -575,7 +576,7 @@ void ShmTransport::startRendezvous(Peer& p, RecvOp r, const Frame& f) {
     sendControl(p, kNack, f.id, r.capacity);
     return;
   }
-  if (p.cma_ok && opt_.large_path != ShmTransportOptions::LargePath::kRing) {
+  if (p.cma_ok && opt_.large_path == ShmTransportOptions::LargePath::kCma) {
     cma_.push_back(CmaOp{index_[p.rank], std::move(r), f.id, f.addr, f.size, 0});
     return;
   }
@@ -618,7 +619,7 @@ bool ShmTransport::pumpSend(Peer& p) {
     if (op.frame.type == kEager || op.frame.type == kData) {
       bool stalled = false;
       while (op.offset < op.frame.size) {
-        size_t want = std::min<size_t>(op.frame.size - op.offset, budget);
+        size_t want = std::min({op.frame.size - op.offset, budget, opt_.pipeline_bytes});
         size_t n = std::min(want, ring.space(want));
         if (n == 0) {
           stalled = true;
@@ -670,14 +671,14 @@ bool ShmTransport::drainInbound(Peer& p) {
       if (p.failed || p.corrupt) break;
       continue;
     }
-    size_t want = std::min(p.remaining, budget);
+    size_t want = std::min({p.remaining, budget, opt_.pipeline_bytes});
     size_t n = std::min(want, ring.avail(want));
     if (n == 0) break;
     ring.read(p.dst, n);
     if (p.dst) p.dst += n;
     p.remaining -= n;
     budget -= n;
-    if (ring.pos - published >= ring.size / 4) {
+    if (ring.pos - published >= opt_.pipeline_bytes) {
       // Free space early so a producer blocked on a full ring can continue.
       ring.ctrl->tail.store(ring.pos, std::memory_order_release);
       published = ring.pos;
@@ -1016,6 +1017,11 @@ void ShmTransport::abort(std::exception_ptr error) {
   if (aborted_) return;
   aborted_ = error;
   failAll(error);
+  if (my_wake_) {
+    uint64_t one = 1;  // a thread blocked in the engine's poll() returns now, not at its 100 ms cap
+    ssize_t n = ::write(my_wake_.get(), &one, sizeof(one));
+    (void)n;
+  }
   CB_INFO("shm", "rank {}: shm transport aborted", rank_);
 }
 
