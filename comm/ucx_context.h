@@ -7,6 +7,27 @@
 // Threading: the worker is created UCS_THREAD_MODE_SERIALIZED; every call into
 // it (progress, posting, cancel, rkey unpack, ...) must hold mutex().
 //
+// Configuration (ucp_config_modify on crossbar's context only, never setenv):
+// CROSSBAR_UCX_TLS overrides UCX_TLS; KEEPALIVE_INTERVAL=1s and
+// WARN_UNUSED_ENV_VARS=n unless the user set UCX_KEEPALIVE_INTERVAL /
+// UCX_WARN_UNUSED_ENV_VARS (then theirs wins).
+//
+// Observed with UCX 1.13 (Debian 12):
+// * UCP_ERR_HANDLING_MODE_PEER excludes posix/sysv shared memory (their
+//   *_ERROR_HANDLING defaults to n) and cma, so between processes of one host
+//   UCX picks tcp over loopback even with default UCX_TLS; crossbar's shm
+//   transport covers intra-node traffic. Forcing UCX_POSIX_ERROR_HANDLING=y
+//   selects posix shm, but then a SIGKILLed peer went unnoticed for 20+ s
+//   despite keepalive, so crossbar leaves it off.
+// * Over tcp a killed peer is reported within milliseconds (the kernel closes
+//   its sockets; UCX reports UCS_ERR_ENDPOINT_TIMEOUT), also with no traffic in
+//   flight, as long as the worker is progressed (the ProgressEngine wakes at
+//   least every 100 ms). A host that vanishes without closing sockets is caught
+//   by keepalive / TCP keepalive (UCX_TCP_KEEPIDLE, default 10 s).
+// * A peer that closes its endpoints normally also shows as an endpoint error
+//   here; messages it sent before closing stay receivable (they sit in UCX's
+//   unexpected queue).
+//
 // Tags: bit 63 of the UCP tag is reserved for the context's own connection
 // handshake; users of worker() must keep it clear (the transport encodes
 // (source rank << 48) | tag with ranks below 2^15).
