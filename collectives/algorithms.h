@@ -63,6 +63,28 @@ struct HierComms {
   std::shared_ptr<Communicator> inter;  // ranks with my local index, by node
 };
 
+// Reusable temporaries of one Collectives (one operation executes at a time), so a
+// call does not zero and page-fault fresh memory. get(slot, n) keeps the slot's
+// contents only until the next get of the same slot.
+class Scratch {
+ public:
+  char* get(int slot, size_t bytes) {
+    if (slot >= static_cast<int>(bufs_.size())) {
+      bufs_.resize(slot + 1);
+      sizes_.resize(slot + 1, 0);
+    }
+    if (sizes_[slot] < bytes) {
+      bufs_[slot].reset(new char[bytes]);
+      sizes_[slot] = bytes;
+    }
+    return bufs_[slot].get();
+  }
+
+ private:
+  std::vector<std::unique_ptr<char[]>> bufs_;
+  std::vector<size_t> sizes_;
+};
+
 // What an algorithm runs with.
 struct RunContext {
   Communicator* comm = nullptr;
@@ -70,6 +92,7 @@ struct RunContext {
   Deadline deadline = Deadline::never();
   size_t chunk_bytes = 512 * 1024;
   const HierComms* hier = nullptr;  // set when the algorithm needs it
+  Scratch* scratch = nullptr;
 };
 
 struct Algorithm {

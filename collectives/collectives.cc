@@ -372,6 +372,7 @@ struct Collectives::Impl {
   AlgoOverride env_override;
   size_t chunk_bytes = 512 * 1024;
   std::shared_ptr<HierComms> hier;
+  std::shared_ptr<Scratch> scratch = std::make_shared<Scratch>();
   int group_depth = 0;
   std::vector<Planned> group;
   std::shared_ptr<WorkImpl> group_work;
@@ -403,8 +404,10 @@ Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
 }
 
 std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> ops) {
-  return [comm = comm, ops = std::move(ops), chunk = chunk_bytes, hier = hier](Deadline deadline) {
+  return [comm = comm, ops = std::move(ops), chunk = chunk_bytes, hier = hier,
+          scratch = scratch](Deadline deadline) {
     RunContext x;
+    x.scratch = scratch.get();
     x.comm = comm.get();
     x.deadline = deadline;
     x.chunk_bytes = chunk;

@@ -20,8 +20,6 @@ namespace {
 
 constexpr size_t kMaxChunks = 256;  // bounds the request count of one pipelined pass
 
-using Bytes = std::vector<char>;
-
 inline char* cp(void* p) {
   return static_cast<char*>(p);
 }
@@ -111,9 +109,9 @@ void ringPass(Communicator& c, const RunContext& x, void* vbuf, const Layout& L,
   auto lo = [&](int b, size_t ch) { return L.len[b] * ch / C; };
   auto hi = [&](int b, size_t ch) { return L.len[b] * (ch + 1) / C; };
   const size_t U = S * C;
-  const size_t W = reduce ? std::min(U, 2 * C) : U;
+  const size_t W = reduce ? std::min(U, std::clamp<size_t>(2 * C, 4, 16)) : U;
   const size_t slot_elems = (maxLen + C - 1) / C;
-  Bytes tmp(reduce ? W * slot_elems * es : 0);
+  char* tmp = reduce ? x.scratch->get(0, W * slot_elems * es) : nullptr;
   const uint32_t tag = x.tag + sub;
 
   std::vector<RequestPtr> recvs(U), sends;
@@ -125,7 +123,7 @@ void ringPass(Communicator& c, const RunContext& x, void* vbuf, const Layout& L,
   auto postRecv = [&](size_t u) {
     size_t s = u / C, ch = u % C;
     int b = recvBlock(s);
-    char* dst = reduce ? tmp.data() + (u % W) * slot_elems * es : buf + (L.off[b] + lo(b, ch)) * es;
+    char* dst = reduce ? tmp + (u % W) * slot_elems * es : buf + (L.off[b] + lo(b, ch)) * es;
     recvs[u] = c.irecv(dst, (hi(b, ch) - lo(b, ch)) * es, left, tag);
   };
   for (size_t u = 0; u < W; ++u) postRecv(u);
@@ -136,7 +134,7 @@ void ringPass(Communicator& c, const RunContext& x, void* vbuf, const Layout& L,
     if (reduce) {
       int b = recvBlock(s);
       size_t a = lo(b, ch), m = hi(b, ch) - a;
-      if (m) reduceInto(buf + (L.off[b] + a) * es, tmp.data() + (u % W) * slot_elems * es, m, t, op);
+      if (m) reduceInto(buf + (L.off[b] + a) * es, tmp + (u % W) * slot_elems * es, m, t, op);
       recvs[u].reset();
       if (u + W < U) postRecv(u + W);
     }
@@ -165,15 +163,15 @@ void rdAllreduceInPlace(Communicator& c, const RunContext& x, void* buf, size_t 
   int p2 = 1;
   while (p2 * 2 <= p) p2 *= 2;
   const int rem = p - p2;
-  Bytes tmp(bytes);
+  char* tmp = x.scratch->get(1, bytes);
   int vr;
   if (r < 2 * rem) {
     if (r % 2 == 0) {
       waitOne(c.isend(buf, bytes, r + 1, tag), x);
       vr = -1;
     } else {
-      waitOne(c.irecv(tmp.data(), bytes, r - 1, tag), x);
-      reduceInto(buf, tmp.data(), n, t, op);
+      waitOne(c.irecv(tmp, bytes, r - 1, tag), x);
+      reduceInto(buf, tmp, n, t, op);
       vr = r / 2;
     }
   } else {
@@ -183,10 +181,10 @@ void rdAllreduceInPlace(Communicator& c, const RunContext& x, void* buf, size_t 
     for (int mask = 1; mask < p2; mask <<= 1) {
       int pv = vr ^ mask;
       int peer = pv < rem ? pv * 2 + 1 : pv + rem;
-      auto rq = c.irecv(tmp.data(), bytes, peer, tag);
+      auto rq = c.irecv(tmp, bytes, peer, tag);
       auto sq = c.isend(buf, bytes, peer, tag);
       c.waitAll({rq, sq}, x.deadline);
-      reduceInto(buf, tmp.data(), n, t, op);
+      reduceInto(buf, tmp, n, t, op);
     }
   }
   if (r < 2 * rem) {
@@ -260,15 +258,15 @@ void allgatherBruck(const CollArgs& a, RunContext& x) {
   Communicator& c = *x.comm;
   const int p = c.size(), r = c.rank();
   const size_t blk = a.count * elementSize(a.type);
-  Bytes tmp(blk * p);
-  copyBytes(tmp.data(), a.send, blk);
+  char* tmp = x.scratch->get(0, blk * p);
+  copyBytes(tmp, a.send, blk);
   for (int dist = 1; dist < p; dist <<= 1) {
     int cnt = std::min(dist, p - dist);
-    auto rq = c.irecv(tmp.data() + dist * blk, cnt * blk, mod(r + dist, p), x.tag);
-    auto sq = c.isend(tmp.data(), cnt * blk, mod(r - dist, p), x.tag);
+    auto rq = c.irecv(tmp + dist * blk, cnt * blk, mod(r + dist, p), x.tag);
+    auto sq = c.isend(tmp, cnt * blk, mod(r - dist, p), x.tag);
     c.waitAll({rq, sq}, x.deadline);
   }
-  for (int i = 0; i < p; ++i) copyBytes(cp(a.recv) + mod(r + i, p) * blk, tmp.data() + i * blk, blk);
+  for (int i = 0; i < p; ++i) copyBytes(cp(a.recv) + mod(r + i, p) * blk, tmp + i * blk, blk);
 }
 
 // ---- reduce_scatter ------------------------------------------------------------------
@@ -277,10 +275,10 @@ void reduceScatterRing(const CollArgs& a, RunContext& x) {
   Communicator& c = *x.comm;
   const int p = c.size();
   const size_t blk = a.count * elementSize(a.type);
-  Bytes work(blk * p);
-  ReduceOp op = prepare(work.data(), a.send, a.count * p, a.type, a.op, a.premul_scalar);
-  ringPass(c, x, work.data(), uniformLayout(a.count, p), a.type, op, true, 0);
-  copyBytes(a.recv, work.data() + c.rank() * blk, blk);
+  char* work = x.scratch->get(2, blk * p);
+  ReduceOp op = prepare(work, a.send, a.count * p, a.type, a.op, a.premul_scalar);
+  ringPass(c, x, work, uniformLayout(a.count, p), a.type, op, true, 0);
+  copyBytes(a.recv, work + c.rank() * blk, blk);
   finish(a.recv, a.count, a.type, a.op, p);
 }
 
@@ -292,25 +290,24 @@ void reduceScatterPairwise(const CollArgs& a, RunContext& x) {
   const size_t es = elementSize(a.type), blk = a.count * es;
   const char* in = ccp(a.send);
   ReduceOp op = a.op == ReduceOp::kAvg ? ReduceOp::kSum : a.op;
-  Bytes scaled;
   if (a.op == ReduceOp::kPreMulSum) {
-    scaled.resize(blk * p);
-    op = prepare(scaled.data(), a.send, a.count * p, a.type, a.op, a.premul_scalar);
-    in = scaled.data();
+    char* scaled = x.scratch->get(2, blk * p);
+    op = prepare(scaled, a.send, a.count * p, a.type, a.op, a.premul_scalar);
+    in = scaled;
   }
   copyBytes(a.recv, in + r * blk, blk);
   const int K = std::min(p - 1, 4);
-  Bytes slots(blk * std::max(K, 1));
+  char* slots = x.scratch->get(0, blk * std::max(K, 1));
   std::vector<RequestPtr> rq(p), sq(p);
   auto post = [&](int i) {
     int to = mod(r + i, p), from = mod(r - i, p);
-    rq[i] = c.irecv(slots.data() + ((i - 1) % K) * blk, blk, from, x.tag);
+    rq[i] = c.irecv(slots + ((i - 1) % K) * blk, blk, from, x.tag);
     sq[i] = c.isend(in + to * blk, blk, to, x.tag);
   };
   for (int i = 1; i <= K; ++i) post(i);
   for (int i = 1; i < p; ++i) {
     waitOne(rq[i], x);
-    if (a.count) reduceInto(a.recv, slots.data() + ((i - 1) % K) * blk, a.count, a.type, op);
+    if (a.count) reduceInto(a.recv, slots + ((i - 1) % K) * blk, a.count, a.type, op);
     waitOne(sq[i], x);
     rq[i].reset();
     sq[i].reset();
@@ -389,23 +386,18 @@ void reduceBinomial(const CollArgs& a, RunContext& x) {
   const int vr = mod(c.rank() - a.root, p);
   const size_t bytes = a.count * elementSize(a.type);
   auto real = [&](int v) { return mod(v + a.root, p); };
-  Bytes own;
   void* acc = a.recv;
-  if (c.rank() != a.root || !acc) {
-    own.resize(bytes);
-    acc = own.data();
-  }
+  if (c.rank() != a.root || !acc) acc = x.scratch->get(1, bytes);
   ReduceOp op = prepare(acc, a.send, a.count, a.type, a.op, a.premul_scalar);
-  Bytes tmp;
   for (int mask = 1; mask < p; mask <<= 1) {
     if (vr & mask) {
       waitOne(c.isend(acc, bytes, real(vr - mask), x.tag), x);
       break;
     }
     if (vr + mask < p) {
-      tmp.resize(bytes);
-      waitOne(c.irecv(tmp.data(), bytes, real(vr + mask), x.tag), x);
-      reduceInto(acc, tmp.data(), a.count, a.type, op);
+      char* tmp = x.scratch->get(0, bytes);
+      waitOne(c.irecv(tmp, bytes, real(vr + mask), x.tag), x);
+      reduceInto(acc, tmp, a.count, a.type, op);
     }
   }
   if (c.rank() == a.root) finish(acc, a.count, a.type, a.op, p);
@@ -421,12 +413,12 @@ void pairwiseExchange(const CollArgs& a, RunContext& x, const size_t* scnt, cons
   const int p = c.size(), r = c.rank();
   const size_t es = elementSize(a.type);
   const char* in = ccp(a.send);
-  Bytes copy;
   if (a.send == a.recv) {  // in place: keep the input while blocks are overwritten
     size_t extent = 0;
     for (int i = 0; i < p; ++i) extent = std::max(extent, (sdsp[i] + scnt[i]) * es);
-    copy.assign(in, in + extent);
-    in = copy.data();
+    char* copy = x.scratch->get(0, extent);
+    copyBytes(copy, in, extent);
+    in = copy;
   }
   char* out = cp(a.recv);
   copyBytes(out + rdsp[r] * es, in + sdsp[r] * es, scnt[r] * es);

@@ -674,13 +674,30 @@ TEST(Collectives, DISABLED_Busbw) {
             [&] { return coll.allreduce(a.data(), b.data(), count, DataType::kFloat32, ReduceOp::kSum); });
         double ag = time([&] { return coll.allgather(a.data(), g.data(), count / p, DataType::kFloat32); });
         double bc = time([&] { return coll.broadcast(b.data(), count, DataType::kFloat32, 0); });
+        // Baseline: one message of `bytes` between ranks 0 and 1 (half a ping-pong).
+        comm->barrier();
+        double pp = 0;
+        if (comm->rank() < 2) {
+          auto t0 = Clock::now();
+          for (int i = 0; i < 5; ++i) {
+            if (comm->rank() == 0) {
+              comm->send(a.data(), bytes, 1, 1);
+              comm->recv(b.data(), bytes, 1, 2);
+            } else {
+              comm->recv(b.data(), bytes, 0, 1);
+              comm->send(a.data(), bytes, 0, 2);
+            }
+          }
+          pp = std::chrono::duration<double>(Clock::now() - t0).count() / 10;
+        }
+        comm->barrier();
         if (comm->rank() == 0)
           fmt::print(
               "ranks {} bytes {:>9}: allreduce {:8.1f} us busbw {:6.2f} GB/s | allgather {:8.1f} us busbw "
               "{:6.2f} "
-              "GB/s | broadcast {:8.1f} us busbw {:6.2f} GB/s\n",
+              "GB/s | broadcast {:8.1f} us busbw {:6.2f} GB/s | p2p {:8.1f} us {:6.2f} GB/s\n",
               p, bytes, ar * 1e6, bytes * 2.0 * (p - 1) / p / ar / 1e9, ag * 1e6,
-              bytes * double(p - 1) / p / ag / 1e9, bc * 1e6, bytes / bc / 1e9);
+              bytes * double(p - 1) / p / ag / 1e9, bc * 1e6, bytes / bc / 1e9, pp * 1e6, bytes / pp / 1e9);
       }
       comm->destroy();
     });
