@@ -2,6 +2,9 @@
 // build options, hardware topology (hwloc), transports, every CROSSBAR_* variable, and
 // the collective algorithm table. `--json` gives the same as one JSON object.
 #include <fmt/format.h>
+#if __has_include("collectives/selection.h")
+#include "collectives/selection.h"
+#endif
 #include <fmt/ranges.h>
 #include <sys/mman.h>
 #include <ucp/api/ucp.h>
@@ -134,10 +137,18 @@ std::string typeText(const env::Variable& v) {
 // Hook for the collectives layer: once it exists, print its selection table here
 // (collective x size range x ranks x topology -> algorithm, and CROSSBAR_ALGO overrides).
 void printAlgorithmTable(bool json, std::string& out) {
-  if (json)
-    out += "null";
-  else
-    out += "algorithm table: (collectives layer not built)\n";
+#if __has_include("collectives/selection.h")
+  std::string table = describeAlgorithmTable();
+  if (json) {
+    out += jsonString(table);
+  } else {
+    out += "\ncollective algorithm table (first matching row wins; CROSSBAR_ALGO overrides):\n";
+    out += table;
+    if (!table.empty() && table.back() != '\n') out += "\n";
+  }
+#else
+  out += json ? "null" : "algorithm table: (collectives layer not built)\n";
+#endif
 }
 
 // --- output ----------------------------------------------------------------------------------
