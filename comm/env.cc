@@ -27,6 +27,10 @@ const std::vector<Variable>& all() {
       {"CROSSBAR_UCX_TLS", Type::kString, "", "UCX_TLS to use for crossbar's UCX context (default: UCX's own choice)."},
       {"CROSSBAR_ALGO", Type::kString, "", "Collective algorithm override: one name for every collective that has it (ring), or collective=name pairs (allreduce=ring,allgather=bruck). See crossbar-info's algorithm table."},
       {"CROSSBAR_COLL_CHUNK_SIZE", Type::kSize, "512K", "Bytes per pipelined chunk of the host ring/chain collectives."},
+      {"CROSSBAR_SYMMEM_HUGEPAGES", Type::kBool, "1", "Back host symmetric buffers with 2 MiB huge pages (MFD_HUGETLB) when the pool has them; falls back to 4 KiB pages."},
+      {"CROSSBAR_SYMMEM_CHANNELS", Type::kInt, "16", "Signal channels per symmetric buffer (counters per channel and peer in its signal pad)."},
+      {"CROSSBAR_COPY_ENGINE_THREADS", Type::kInt, "1", "Worker threads of the host copy engine (0: copies run in the submitting thread)."},
+      {"CROSSBAR_COPY_ENGINE_NT_THRESHOLD", Type::kSize, "1M", "Host copies of at least this many bytes use non-temporal (streaming) stores."},
   };
   return table;
 }
