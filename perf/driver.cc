@@ -12,6 +12,7 @@
 
 #include "comm/communicator.h"
 #include "comm/errors.h"
+#include "collectives/algorithms.h"
 #include "comm/local_launch.h"
 #include "crossbar_build_info.h"
 #include "perf/driver.h"
@@ -70,6 +71,7 @@ class Runner {
     rank_ = comm_->rank();
     n_ = comm_->size();
     if (o_.timeout_s > 0) copts_.timeout = Millis(int64_t{o_.timeout_s} * 1000);
+    internal_.timeout = copts_.timeout;
     copts_.algorithm = o_.algo;
   }
 
@@ -97,7 +99,8 @@ class Runner {
   std::shared_ptr<Communicator> comm_;
   Collectives coll_;
   std::string program_;
-  CollOptions copts_;
+  CollOptions copts_;     // the measured collective's
+  CollOptions internal_;  // the driver's own (time and #wrong reductions): no forced algorithm
   int rank_ = 0, n_ = 1;
   std::unique_ptr<HostBuffer> send_, recv_;
   size_t max_bytes_ = 0;
@@ -119,13 +122,13 @@ double Runner::reduceTime(double seconds) {
   } else if (o_.average == 3) {
     op = ReduceOp::kMax;
   }
-  coll_.allreduce(&v, &v, 1, DataType::kFloat64, op, copts_)->wait();
+  coll_.allreduce(&v, &v, 1, DataType::kFloat64, op, internal_)->wait();
   return o_.average == 1 ? v / n_ : v;
 }
 
 long long Runner::sumOverRanks(long long v) {
   int64_t x = v;
-  coll_.allreduce(&x, &x, 1, DataType::kInt64, ReduceOp::kSum, copts_)->wait();
+  coll_.allreduce(&x, &x, 1, DataType::kInt64, ReduceOp::kSum, internal_)->wait();
   return x;
 }
 
@@ -153,7 +156,7 @@ void Runner::printHeader(size_t max_bytes) {
                 rank_, 0, static_cast<int>(getpid()), hostName().c_str(), comm_->node(), comm_->localRank(),
                 comm_->localSize());
   std::vector<char> all(kLine * n_);
-  coll_.allgather(line, all.data(), kLine, DataType::kUInt8, copts_)->wait();
+  coll_.allgather(line, all.data(), kLine, DataType::kUInt8, internal_)->wait();
   std::string lines;
   for (int r = 0; r < n_; ++r) lines += std::string(all.data() + r * kLine, strnlen(all.data() + r * kLine, kLine));
   print(lines);
@@ -190,7 +193,7 @@ WorkPtr Runner::start(DataType type, std::optional<ReduceOp> op, int root, const
   WorkPtr w = t_.run(a);
   if (o_.blocking) {
     w->wait();
-    coll_.barrier(copts_)->wait();
+    coll_.barrier(internal_)->wait();
   }
   return w;
 }
@@ -344,9 +347,7 @@ int Runner::run() {
     for (DataType type : o_.types) {
       for (const auto& op : ops) {
         if (op && !isSupported(type, *op)) {
-          if (o_.all_ops || o_.all_types) continue;  // "all" means every supported pair
-          throw InvalidArgument(fmt::format("perf: -o {} is not supported for -d {} (floating-point types only)",
-                                            opDisplayName(op), dataTypeName(type)));
+          continue;  // "all" means every supported pair (explicit pairs are refused up front)
         }
         for (int root : roots) runTest(type, op, root);
       }
@@ -429,6 +430,35 @@ int perfMain(const std::string& coll_name, int argc, char** argv) {
                  "(mpirun -np N)\n",
                  program.c_str());
     return 2;
+  }
+  if (t->reduction && !o.all_ops && !o.all_types) {
+    for (DataType type : o.types)
+      for (ReduceOp op : o.ops)
+        if (!isSupported(type, op)) {
+          std::fprintf(stderr, "%s: -o %s is not supported for -d %s (floating-point types only)\n", program.c_str(),
+                       opDisplayName(op).c_str(), dataTypeName(type));
+          return 2;
+        }
+  }
+  if (!o.algo.empty()) {
+    std::string coll = coll_name.rfind("all_", 0) == 0 ? "all" + coll_name.substr(4) : coll_name;
+    CollType ct;
+    if (!parseCollType(coll, &ct) || (ct != CollType::kAllreduce && ct != CollType::kAllgather &&
+                                      ct != CollType::kReduceScatter && ct != CollType::kAlltoall &&
+                                      ct != CollType::kBroadcast && ct != CollType::kReduce &&
+                                      ct != CollType::kGather && ct != CollType::kScatter)) {
+      std::fprintf(stderr, "%s: --algo does not apply: %s is built from point-to-point operations\n",
+                   program.c_str(), coll_name.c_str());
+      return 2;
+    }
+    if (!findAlgorithm(ct, o.algo)) {
+      std::string names;
+      for (const Algorithm& a : algorithms())
+        if (a.coll == ct) names += (names.empty() ? "" : ", ") + a.name;
+      std::fprintf(stderr, "%s: --algo %s is not an algorithm of %s; choices: %s\n", program.c_str(),
+                   o.algo.c_str(), collTypeName(ct), names.c_str());
+      return 2;
+    }
   }
   CommOptions copts;
   if (o.ranks_per_node > 0) {
