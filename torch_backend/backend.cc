@@ -1,0 +1,1190 @@
+// torch.distributed backend over crossbar: tensor checks and staging, dtype/op mapping,
+// the Work objects and their completion threads. See backend.h.
+#include "torch_backend/backend.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <numeric>
+#include <optional>
+
+#include "comm/errors.h"
+#include "comm/progress.h"
+
+namespace crossbar::torch_backend {
+
+namespace {
+
+// ---- store ----------------------------------------------------------------------------
+
+// At least 1 ms: a c10d store reads a zero timeout as "wait forever".
+std::chrono::milliseconds storeTimeout(Deadline d) { return std::max(d.remaining(), Millis(1)); }
+
+// c10d's store errors as crossbar's typed ones (DistStoreError is what a wait's timeout throws).
+[[noreturn]] void rethrowStoreError(const std::string& what) {
+  try {
+    throw;
+  } catch (const c10::DistStoreError& e) {
+    throw Timeout(fmt::format("{}torch store: {} timed out: {}", errorContext(-1, "store"), what, e.what()));
+  } catch (const c10::DistNetworkError& e) {
+    throw PeerFailure(
+        fmt::format("{}torch store: {} failed; is the store server still up? {}", errorContext(-1, "store"), what,
+                    e.what()));
+  } catch (const crossbar::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw SystemError(fmt::format("{}torch store: {} failed: {}", errorContext(-1, "store"), what, e.what()));
+  }
+}
+
+// ---- tensors --------------------------------------------------------------------------
+
+std::string scalarName(at::ScalarType s) { return c10::toString(s); }
+
+void checkTensor(const at::Tensor& t, int rank, const char* op) {
+  if (!t.defined()) throw InvalidArgument(errorContext(rank, op) + "a tensor argument is undefined (None)");
+  if (t.is_cuda())
+    throw Unsupported(errorContext(rank, op) +
+                      "crossbar's CUDA path is not built yet; use 'cpu:crossbar,cuda:nccl' "
+                      "(init_process_group(backend=\"cpu:crossbar,cuda:nccl\")) to run CUDA tensors on NCCL");
+  if (!t.device().is_cpu())
+    throw Unsupported(fmt::format("{}tensors on device type '{}' are not supported; crossbar runs CPU tensors",
+                                  errorContext(rank, op), c10::DeviceTypeName(t.device().type(), true)));
+  if (t.layout() != at::kStrided)
+    throw Unsupported(fmt::format("{}{} tensors are not supported; crossbar runs dense (strided) tensors",
+                                  errorContext(rank, op), c10::toString(t.layout())));
+}
+
+void checkTensors(const std::vector<at::Tensor>& ts, int rank, const char* op) {
+  for (const auto& t : ts) checkTensor(t, rank, op);
+}
+
+void checkSingle(const std::vector<at::Tensor>& ts, int rank, const char* op) {
+  if (ts.size() != 1)
+    throw InvalidArgument(fmt::format("{}expected exactly one tensor per call, got {} (one CPU tensor per rank)",
+                                      errorContext(rank, op), ts.size()));
+  checkTensor(ts[0], rank, op);
+}
+
+std::optional<DataType> mapType(at::ScalarType s) {
+  switch (s) {
+    case at::ScalarType::Double:
+      return DataType::kFloat64;
+    case at::ScalarType::Float:
+      return DataType::kFloat32;
+    case at::ScalarType::Half:
+      return DataType::kFloat16;
+    case at::ScalarType::BFloat16:
+      return DataType::kBFloat16;
+    case at::ScalarType::Float8_e4m3fn:
+      return DataType::kFloat8E4M3;
+    case at::ScalarType::Float8_e5m2:
+      return DataType::kFloat8E5M2;
+    case at::ScalarType::Char:
+      return DataType::kInt8;
+    case at::ScalarType::Byte:
+      return DataType::kUInt8;
+    case at::ScalarType::Int:
+      return DataType::kInt32;
+    case at::ScalarType::Long:
+      return DataType::kInt64;
+    case at::ScalarType::UInt32:
+      return DataType::kUInt32;
+    case at::ScalarType::UInt64:
+      return DataType::kUInt64;
+    default:
+      return std::nullopt;
+  }
+}
+
+// Data movement never looks at values: a type crossbar lacks travels as bytes.
+struct Moved {
+  DataType type;
+  size_t scale;  // crossbar elements per torch element
+};
+Moved movedType(const at::Tensor& t) {
+  if (auto m = mapType(t.scalar_type())) return {*m, 1};
+  return {DataType::kUInt8, static_cast<size_t>(t.element_size())};
+}
+
+constexpr const char* kSupportedTypes =
+    "float64, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int8, uint8, int32, int64, uint32, "
+    "uint64, bool (sum/max as logical or, product/min as logical and); complex with sum/avg";
+
+struct Reduction {
+  DataType type;
+  ReduceOp op;
+  double scalar = 1.0;
+};
+
+Reduction mapReduction(at::ScalarType s, const c10d::ReduceOp& rop, int rank, const char* opname) {
+  auto unsupportedOp = [&](const char* name) {
+    return Unsupported(fmt::format(
+        "{}reduce op {} is not supported by crossbar (no bitwise reductions); use SUM/PRODUCT/MIN/MAX/AVG/"
+        "PREMUL_SUM, or run this op on a gloo group (new_group(backend=\"gloo\"))",
+        errorContext(rank, opname), name));
+  };
+  Reduction r{};
+  switch (rop.op_) {
+    case c10d::ReduceOp::SUM:
+      r.op = ReduceOp::kSum;
+      break;
+    case c10d::ReduceOp::AVG:
+      r.op = ReduceOp::kAvg;
+      break;
+    case c10d::ReduceOp::PRODUCT:
+      r.op = ReduceOp::kProd;
+      break;
+    case c10d::ReduceOp::MIN:
+      r.op = ReduceOp::kMin;
+      break;
+    case c10d::ReduceOp::MAX:
+      r.op = ReduceOp::kMax;
+      break;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      r.op = ReduceOp::kPreMulSum;
+      auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(rop.supplement_.get());
+      if (!sup)
+        throw InvalidArgument(errorContext(rank, opname) +
+                              "PREMUL_SUM without its factor; create the op with "
+                              "torch.distributed._make_nccl_premul_sum(factor)");
+      r.scalar = sup->tensor_factor.defined() ? sup->tensor_factor.to(at::kDouble).item<double>()
+                                              : sup->double_factor;
+      break;
+    }
+    case c10d::ReduceOp::BAND:
+      throw unsupportedOp("BAND");
+    case c10d::ReduceOp::BOR:
+      throw unsupportedOp("BOR");
+    case c10d::ReduceOp::BXOR:
+      throw unsupportedOp("BXOR");
+    default:
+      throw unsupportedOp("(unknown)");
+  }
+  if (s == at::ScalarType::Bool) {
+    // bool as uint8 0/1: or = max, and = min; a sum could leave values above 1.
+    if (r.op == ReduceOp::kSum || r.op == ReduceOp::kMax) return {DataType::kUInt8, ReduceOp::kMax};
+    if (r.op == ReduceOp::kProd || r.op == ReduceOp::kMin) return {DataType::kUInt8, ReduceOp::kMin};
+    throw Unsupported(fmt::format("{}reduce op {} is not defined for bool tensors; use SUM, MAX, MIN or PRODUCT",
+                                  errorContext(rank, opname), reduceOpName(r.op)));
+  }
+  auto t = mapType(s);
+  if (!t)
+    throw Unsupported(fmt::format("{}dtype {} is not supported for reductions by crossbar; supported: {}. "
+                                  "Convert the tensor (e.g. .to(torch.int32)) or use a gloo group",
+                                  errorContext(rank, opname), scalarName(s), kSupportedTypes));
+  r.type = *t;
+  if (r.op == ReduceOp::kPreMulSum && !isFloating(r.type))
+    throw Unsupported(fmt::format("{}PREMUL_SUM needs a floating-point tensor, got {}; use SUM and scale",
+                                  errorContext(rank, opname), scalarName(s)));
+  return r;
+}
+
+// A contiguous tensor holding `t`'s data (t itself when already contiguous).
+at::Tensor contiguousCopy(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+// Where an op writes `out`: out itself, or a contiguous stand-in copied back afterwards.
+at::Tensor outputStage(const at::Tensor& out, bool keep_contents, std::vector<std::function<void()>>& post) {
+  if (out.is_contiguous()) return out;
+  at::Tensor stage = keep_contents ? out.contiguous() : at::empty(out.sizes(), out.options());
+  post.push_back([out, stage]() mutable { out.copy_(stage); });
+  return stage;
+}
+
+std::function<void()> sequence(std::vector<std::function<void()>> fs) {
+  if (fs.empty()) return nullptr;
+  return [fs = std::move(fs)] {
+    for (const auto& f : fs) f();
+  };
+}
+
+size_t elems(const at::Tensor& t) { return static_cast<size_t>(t.numel()); }
+
+void checkSameType(const at::Tensor& a, const at::Tensor& b, int rank, const char* op) {
+  if (a.scalar_type() != b.scalar_type())
+    throw InvalidArgument(fmt::format("{}tensors must have the same dtype, got {} and {}", errorContext(rank, op),
+                                      scalarName(a.scalar_type()), scalarName(b.scalar_type())));
+}
+
+// A flat contiguous tensor of n elements, of t's dtype.
+at::Tensor flatLike(const at::Tensor& t, int64_t n) { return at::empty({n}, t.options()); }
+
+}  // namespace
+
+// ---- TorchStoreAdapter ------------------------------------------------------------------
+
+void TorchStoreAdapter::set(const std::string& key, const Bytes& value) {
+  try {
+    store_->set(key, value);
+  } catch (...) {
+    rethrowStoreError("set(" + key + ")");
+  }
+}
+
+Bytes TorchStoreAdapter::get(const std::string& key, Deadline deadline) {
+  try {
+    store_->wait({key}, storeTimeout(deadline));
+    return store_->get(key);
+  } catch (...) {
+    rethrowStoreError("get(" + key + ")");
+  }
+}
+
+int64_t TorchStoreAdapter::add(const std::string& key, int64_t delta) {
+  try {
+    return store_->add(key, delta);
+  } catch (...) {
+    rethrowStoreError("add(" + key + ")");
+  }
+}
+
+Bytes TorchStoreAdapter::compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) {
+  try {
+    return store_->compareSet(key, expected, desired);
+  } catch (...) {
+    rethrowStoreError("compareSet(" + key + ")");
+  }
+}
+
+bool TorchStoreAdapter::check(const std::vector<std::string>& keys) {
+  try {
+    return store_->check(keys);
+  } catch (...) {
+    rethrowStoreError("check");
+  }
+}
+
+void TorchStoreAdapter::wait(const std::vector<std::string>& keys, Deadline deadline) {
+  try {
+    store_->wait(keys, storeTimeout(deadline));
+  } catch (...) {
+    std::string names;
+    for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;
+    rethrowStoreError("wait([" + names + "])");
+  }
+}
+
+bool TorchStoreAdapter::deleteKey(const std::string& key) {
+  try {
+    return store_->deleteKey(key);
+  } catch (...) {
+    rethrowStoreError("deleteKey(" + key + ")");
+  }
+}
+
+int64_t TorchStoreAdapter::numKeys() {
+  try {
+    return store_->getNumKeys();
+  } catch (...) {
+    rethrowStoreError("numKeys");
+  }
+}
+
+// ---- CrossbarWork -------------------------------------------------------------------------
+
+CrossbarWork::CrossbarWork(int rank, c10d::OpType type, const char* profiling_title,
+                           std::vector<at::Tensor> outputs, Millis timeout)
+    : c10d::Work(rank, type, profiling_title),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+      timeout_(timeout) {
+  deadline = Deadline::after(timeout);
+}
+
+CrossbarWork::~CrossbarWork() = default;
+
+bool CrossbarWork::underlyingDone(std::exception_ptr* err) {
+  if (coll) {
+    if (auto e = coll->error()) {
+      *err = e;
+      return true;
+    }
+    try {
+      if (!coll->test()) return false;
+    } catch (...) {
+      *err = std::current_exception();
+      return true;
+    }
+  }
+  for (const auto& r : requests) {
+    if (!r->done()) return false;
+  }
+  for (const auto& r : requests) {
+    if (r->failed() && !*err) {
+      try {
+        r->rethrowIfFailed();
+      } catch (...) {
+        *err = std::current_exception();
+      }
+    }
+  }
+  return true;
+}
+
+bool CrossbarWork::waitUnderlying(Deadline d, std::exception_ptr* err) {
+  if (coll) {
+    try {
+      coll->wait(d);
+    } catch (...) {
+      if (auto e = coll->error()) {
+        *err = e;
+        return true;
+      }
+      if (d.expired()) return false;  // our wait's deadline, not the operation's failure
+      *err = std::current_exception();
+      return true;
+    }
+  }
+  for (const auto& r : requests) {
+    try {
+      r->wait(d);
+    } catch (...) {
+      if (!r->done()) return false;
+      if (!*err) *err = std::current_exception();
+    }
+  }
+  return true;
+}
+
+void CrossbarWork::complete(std::exception_ptr err) {
+  {
+    std::unique_lock<std::mutex> lk(mutex_);
+    if (finalizing_) {
+      cv_.wait(lk, [&] { return completed_; });
+      return;
+    }
+    finalizing_ = true;
+  }
+  if (!err && post) {
+    try {
+      post();
+    } catch (...) {
+      err = std::current_exception();
+    }
+  }
+  post = nullptr;
+  finish(err);
+  if (err) {
+    future_->setError(err);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  for (auto& c : children) c->complete(err);
+}
+
+bool CrossbarWork::isCompleted() {
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    if (completed_) return true;
+  }
+  std::exception_ptr err;
+  if (underlyingDone(&err)) {
+    complete(err);
+    return true;
+  }
+  return false;
+}
+
+bool CrossbarWork::isSuccess() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return completed_ && !exception_;
+}
+
+std::exception_ptr CrossbarWork::exception() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return exception_;
+}
+
+bool CrossbarWork::wait(std::chrono::milliseconds timeout) {
+  bool done;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    done = completed_;
+  }
+  if (!done) {
+    // kNoTimeout (0): the operation's own timeout bounds the wait.
+    // (Collectives queue in order: allow for the ones ahead of this one.)
+    const Millis limit = timeout.count() > 0 ? Millis(timeout.count()) : timeout_ * 2 + Millis(5000);
+    std::exception_ptr err;
+    if (!waitUnderlying(Deadline::after(limit), &err)) {
+      throw Timeout(fmt::format("{}{} did not finish within {} ms{}", errorContext(rank_, "wait"),
+                                c10d::opTypeToString(opType_), limit.count(),
+                                coll ? fmt::format(" ({})", coll->description()) : std::string()));
+    }
+    complete(err);
+  }
+  std::lock_guard<std::mutex> lk(mutex_);
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+void CrossbarWork::abort() {
+  complete(std::make_exception_ptr(Aborted(errorContext(rank_, "abort") + "the work was aborted")));
+}
+
+// ---- CrossbarBackend ------------------------------------------------------------------------
+
+CrossbarBackend::CrossbarBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                 c10::intrusive_ptr<Options> options)
+    : c10d::Backend(rank, size), options_(std::move(options)), timeout_ms_(options_->timeout.count()) {
+  CommOptions co;
+  co.timeout = Millis(options_->timeout.count());
+  co.name = options_->name.empty() ? "torch" : options_->name;
+  co.ranks_per_node = options_->ranks_per_node;
+  comm_ = Communicator::create(std::make_shared<TorchStoreAdapter>(store), rank, size, co);
+  coll_ = std::make_unique<Collectives>(comm_);
+  coll_thread_ = std::thread([this] { completionLoop(); });
+  p2p_thread_ = std::thread([this] { p2pLoop(); });
+}
+
+CrossbarBackend::~CrossbarBackend() {
+  try {
+    shutdown();
+  } catch (...) {
+    // Destructors must not throw; shutdown problems were logged by the layers below.
+  }
+}
+
+void CrossbarBackend::stopThreads() {
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    if (stop_) return;
+    stop_ = true;
+    p2p_new_ = true;
+  }
+  cv_.notify_all();
+  if (coll_thread_.joinable()) coll_thread_.join();
+  if (p2p_thread_.joinable()) p2p_thread_.join();
+}
+
+void CrossbarBackend::shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  // Pending work still finishes (each bounded by its deadline); then a collective goodbye.
+  stopThreads();
+  coll_.reset();
+  if (comm_ && !comm_->aborted()) comm_->destroy();
+}
+
+void CrossbarBackend::abort() {
+  if (comm_) comm_->abort("torch.distributed abort");
+  shutdown();
+}
+
+void CrossbarBackend::setTimeout(std::chrono::milliseconds timeout) { timeout_ms_ = timeout.count(); }
+
+#if CROSSBAR_TORCH_AT_LEAST(2, 6)
+c10d::ErrorType CrossbarBackend::getError() {
+  std::lock_guard<std::mutex> lk(m_);
+  if (!first_error_) return c10d::ErrorType::SUCCESS;
+  try {
+    std::rethrow_exception(first_error_);
+  } catch (const Timeout&) {
+    return c10d::ErrorType::TIMEOUT;
+  } catch (const PeerFailure&) {
+    return c10d::ErrorType::REMOTE_ERROR;
+  } catch (...) {
+    return c10d::ErrorType::COMM_ERROR;
+  }
+}
+#endif
+
+Millis CrossbarBackend::timeoutOf(std::chrono::milliseconds requested) const {
+  return requested.count() > 0 ? Millis(requested.count()) : Millis(timeout_ms_.load());
+}
+
+void CrossbarBackend::ensureUsable(const char* op) const {
+  if (shut_down_ || !coll_)
+    throw InvalidUsage(errorContext(rank_, op) + "the process group was shut down or aborted; create a new one");
+}
+
+void CrossbarBackend::completionLoop() {
+  std::unique_lock<std::mutex> lk(m_);
+  while (true) {
+    cv_.wait(lk, [&] { return stop_ || !coll_pending_.empty(); });
+    if (coll_pending_.empty()) return;  // stopping and drained
+    c10::intrusive_ptr<CrossbarWork> w = coll_pending_.front();
+    lk.unlock();
+    std::exception_ptr err;
+    bool done = w->waitUnderlying(Deadline::after(Millis(200)), &err);
+    if (done) w->complete(err);
+    lk.lock();
+    if (done) {
+      coll_pending_.pop_front();
+      if (err && !first_error_) first_error_ = err;
+    }
+  }
+}
+
+void CrossbarBackend::p2pLoop() {
+  std::vector<c10::intrusive_ptr<CrossbarWork>> active;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lk(m_);
+      if (active.empty()) cv_.wait(lk, [&] { return stop_ || !p2p_incoming_.empty(); });
+      for (auto& w : p2p_incoming_) active.push_back(std::move(w));
+      p2p_incoming_.clear();
+      p2p_new_ = false;
+      if (active.empty() && stop_) return;
+    }
+    std::erase_if(active, [&](const c10::intrusive_ptr<CrossbarWork>& w) {
+      std::exception_ptr err;
+      if (w->underlyingDone(&err)) {
+        w->complete(err);
+        return true;
+      }
+      if (w->deadline.expired()) {
+        std::string what;
+        for (const auto& r : w->requests)
+          if (!r->done()) what += (what.empty() ? "" : ", ") + r->what();
+        w->complete(std::make_exception_ptr(Timeout(
+            fmt::format("{}{} did not finish within {} ms (the peer never posted the matching operation?)",
+                        errorContext(rank_, "p2p"), what, w->getTimeout().count()))));
+        // The transport may still write into the buffers: keep them alive until shutdown.
+        std::lock_guard<std::mutex> lk(m_);
+        orphans_.push_back(w);
+        return true;
+      }
+      return false;
+    });
+    if (active.empty()) continue;
+    comm_->engine().waitUntil(
+        [&] {
+          if (p2p_new_.load()) return true;
+          for (const auto& w : active) {
+            bool all = true;
+            for (const auto& r : w->requests) all = all && r->done();
+            if (all) return true;
+          }
+          return false;
+        },
+        Deadline::after(Millis(50)));
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::submit(c10d::OpType type, const char* title,
+                                                       std::vector<at::Tensor> outputs, Millis timeout,
+                                                       const std::function<void(CrossbarWork&)>& issue,
+                                                       bool p2p) {
+  ensureUsable(title);
+  auto work = c10::make_intrusive<CrossbarWork>(rank_, type, nullptr, std::move(outputs), timeout);
+  issue(*work);  // validation errors surface here, synchronously
+  if (coalescing_) {
+    coalesced_->children.push_back(work);
+    return work;
+  }
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    if (p2p) {
+      p2p_incoming_.push_back(work);
+      p2p_new_ = true;
+    } else {
+      coll_pending_.push_back(work);
+    }
+  }
+  cv_.notify_all();
+  (void)title;
+  return work;
+}
+
+// ---- collectives ----------------------------------------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                          const c10d::BroadcastOptions& opts) {
+  checkSingle(tensors, rank_, "broadcast");
+  at::Tensor t = tensors[0];
+  const int root = static_cast<int>(opts.rootRank);
+  CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+  return submit(c10d::OpType::BROADCAST, "broadcast", tensors, o.timeout, [&](CrossbarWork& w) {
+    std::vector<std::function<void()>> post;
+    at::Tensor buf = outputStage(t, rank_ == root, post);
+    Moved m = movedType(buf);
+    w.keepalive = {buf};
+    w.post = sequence(std::move(post));
+    w.coll = coll_->broadcast(buf.data_ptr(), elems(buf) * m.scale, m.type, root, o);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                          const c10d::AllreduceOptions& opts) {
+  checkSingle(tensors, rank_, "allreduce");
+  at::Tensor t = tensors[0];
+  Reduction r = mapReduction(t.scalar_type(), opts.reduceOp, rank_, "allreduce");
+  CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
+  return submit(c10d::OpType::ALLREDUCE, "allreduce", tensors, o.timeout, [&](CrossbarWork& w) {
+    std::vector<std::function<void()>> post;
+    at::Tensor buf = outputStage(t, true, post);
+    w.keepalive = {buf};
+    w.post = sequence(std::move(post));
+    w.coll = coll_->allreduce(buf.data_ptr(), buf.data_ptr(), elems(buf), r.type, r.op, o);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  checkTensors(tensors, rank_, "allreduce_coalesced");
+  std::vector<Reduction> rs;
+  for (const auto& t : tensors) rs.push_back(mapReduction(t.scalar_type(), opts.reduceOp, rank_, "allreduce"));
+  CollOptions o{timeoutOf(opts.timeout), "", rs.empty() ? 1.0 : rs[0].scalar};
+  return submit(c10d::OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors, o.timeout,
+                [&](CrossbarWork& w) {
+                  std::vector<std::function<void()>> post;
+                  coll_->groupStart();
+                  try {
+                    for (size_t i = 0; i < tensors.size(); ++i) {
+                      at::Tensor buf = outputStage(tensors[i], true, post);
+                      w.keepalive.push_back(buf);
+                      coll_->allreduce(buf.data_ptr(), buf.data_ptr(), elems(buf), rs[i].type, rs[i].op, o);
+                    }
+                  } catch (...) {
+                    coll_->groupEnd();
+                    throw;
+                  }
+                  w.coll = coll_->groupEnd();
+                  w.post = sequence(std::move(post));
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::ReduceOptions& opts) {
+  checkSingle(tensors, rank_, "reduce");
+  at::Tensor t = tensors[0];
+  const int root = static_cast<int>(opts.rootRank);
+  Reduction r = mapReduction(t.scalar_type(), opts.reduceOp, rank_, "reduce");
+  CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
+  return submit(c10d::OpType::REDUCE, "reduce", tensors, o.timeout, [&](CrossbarWork& w) {
+    std::vector<std::function<void()>> post;
+    at::Tensor buf = rank_ == root ? outputStage(t, true, post) : contiguousCopy(t);
+    w.keepalive = {buf};
+    w.post = sequence(std::move(post));
+    // Non-root inputs stay unchanged (no receive buffer there).
+    w.coll = coll_->reduce(buf.data_ptr(), rank_ == root ? buf.data_ptr() : nullptr, elems(buf), r.type, r.op,
+                           root, o);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::AllgatherOptions& opts) {
+  checkSingle(inputs, rank_, "allgather");
+  if (outputs.size() != 1 || outputs[0].size() != static_cast<size_t>(size_))
+    throw InvalidArgument(fmt::format("{}expected one output list of {} tensors (one per rank)",
+                                      errorContext(rank_, "allgather"), size_));
+  at::Tensor in = inputs[0];
+  std::vector<at::Tensor> outs = outputs[0];
+  for (const auto& o : outs) {
+    checkTensor(o, rank_, "allgather");
+    checkSameType(o, in, rank_, "allgather");
+    if (o.numel() != in.numel())
+      throw InvalidArgument(fmt::format("{}every output tensor must have the input's {} elements, got {}",
+                                        errorContext(rank_, "allgather"), in.numel(), o.numel()));
+  }
+  CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+  return submit(c10d::OpType::ALLGATHER, "allgather", outs, o.timeout, [&](CrossbarWork& w) {
+    at::Tensor src = contiguousCopy(in);
+    at::Tensor flat = flatLike(in, in.numel() * size_);
+    Moved m = movedType(src);
+    w.keepalive = {src, flat};
+    w.post = [outs, flat, n = in.numel()]() mutable {
+      for (size_t i = 0; i < outs.size(); ++i)
+        outs[i].copy_(flat.narrow(0, static_cast<int64_t>(i) * n, n).view(outs[i].sizes()));
+    };
+    w.coll = coll_->allgather(src.data_ptr(), flat.data_ptr(), elems(src) * m.scale, m.type, o);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                                const c10d::AllgatherOptions& opts) {
+  checkTensor(input, rank_, "all_gather_into_tensor");
+  checkTensor(output, rank_, "all_gather_into_tensor");
+  checkSameType(output, input, rank_, "all_gather_into_tensor");
+  if (output.numel() != input.numel() * size_)
+    throw InvalidArgument(fmt::format("{}output has {} elements, expected input ({}) x world size ({})",
+                                      errorContext(rank_, "all_gather_into_tensor"), output.numel(),
+                                      input.numel(), size_));
+  CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+  return submit(c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {output}, o.timeout,
+                [&](CrossbarWork& w) {
+                  std::vector<std::function<void()>> post;
+                  at::Tensor out = outputStage(output, false, post);
+                  at::Tensor src = contiguousCopy(input);
+                  Moved m = movedType(src);
+                  w.keepalive = {out, src};
+                  w.post = sequence(std::move(post));
+                  w.coll = coll_->allgather(src.data_ptr(), out.data_ptr(), elems(src) * m.scale, m.type, o);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  if (outputs.size() != static_cast<size_t>(size_))
+    throw InvalidArgument(fmt::format("{}expected {} output lists (one per rank), got {}",
+                                      errorContext(rank_, "allgather_coalesced"), size_, outputs.size()));
+  checkTensors(inputs, rank_, "allgather_coalesced");
+  for (const auto& list : outputs) {
+    if (list.size() != inputs.size())
+      throw InvalidArgument(fmt::format("{}each output list must have {} tensors (one per input)",
+                                        errorContext(rank_, "allgather_coalesced"), inputs.size()));
+    for (size_t i = 0; i < list.size(); ++i) {
+      checkTensor(list[i], rank_, "allgather_coalesced");
+      checkSameType(list[i], inputs[i], rank_, "allgather_coalesced");
+      if (list[i].numel() != inputs[i].numel())
+        throw InvalidArgument(errorContext(rank_, "allgather_coalesced") +
+                              "output tensors must match their inputs' sizes");
+    }
+  }
+  std::vector<at::Tensor> flat_outs;
+  for (const auto& list : outputs) flat_outs.insert(flat_outs.end(), list.begin(), list.end());
+  CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+  return submit(c10d::OpType::ALLGATHER_COALESCED, "allgather_coalesced", flat_outs, o.timeout,
+                [&](CrossbarWork& w) {
+                  std::vector<at::Tensor> flats;
+                  coll_->groupStart();
+                  try {
+                    for (const auto& in : inputs) {
+                      at::Tensor src = contiguousCopy(in);
+                      at::Tensor flat = flatLike(in, in.numel() * size_);
+                      Moved m = movedType(src);
+                      w.keepalive.push_back(src);
+                      flats.push_back(flat);
+                      coll_->allgather(src.data_ptr(), flat.data_ptr(), elems(src) * m.scale, m.type, o);
+                    }
+                  } catch (...) {
+                    coll_->groupEnd();
+                    throw;
+                  }
+                  w.coll = coll_->groupEnd();
+                  w.keepalive.insert(w.keepalive.end(), flats.begin(), flats.end());
+                  w.post = [outputs, flats]() mutable {
+                    for (size_t r = 0; r < outputs.size(); ++r)
+                      for (size_t i = 0; i < flats.size(); ++i) {
+                        const int64_t n = outputs[r][i].numel();
+                        outputs[r][i].copy_(flats[i].narrow(0, static_cast<int64_t>(r) * n, n)
+                                                .view(outputs[r][i].sizes()));
+                      }
+                  };
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  if (outputs.size() != inputs.size())
+    throw InvalidArgument(errorContext(rank_, "allgather_into_tensor_coalesced") +
+                          "needs as many outputs as inputs");
+  checkTensors(inputs, rank_, "allgather_into_tensor_coalesced");
+  checkTensors(outputs, rank_, "allgather_into_tensor_coalesced");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkSameType(outputs[i], inputs[i], rank_, "allgather_into_tensor_coalesced");
+    if (outputs[i].numel() != inputs[i].numel() * size_)
+      throw InvalidArgument(errorContext(rank_, "allgather_into_tensor_coalesced") +
+                            "each output needs input size x world size elements");
+  }
+  CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+  return submit(c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED, "allgather_into_tensor_coalesced", outputs,
+                o.timeout, [&](CrossbarWork& w) {
+                  std::vector<std::function<void()>> post;
+                  coll_->groupStart();
+                  try {
+                    for (size_t i = 0; i < inputs.size(); ++i) {
+                      at::Tensor out = outputStage(outputs[i], false, post);
+                      at::Tensor src = contiguousCopy(inputs[i]);
+                      Moved m = movedType(src);
+                      w.keepalive.push_back(out);
+                      w.keepalive.push_back(src);
+                      coll_->allgather(src.data_ptr(), out.data_ptr(), elems(src) * m.scale, m.type, o);
+                    }
+                  } catch (...) {
+                    coll_->groupEnd();
+                    throw;
+                  }
+                  w.coll = coll_->groupEnd();
+                  w.post = sequence(std::move(post));
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::GatherOptions& opts) {
+  checkSingle(inputs, rank_, "gather");
+  const int root = static_cast<int>(opts.rootRank);
+  at::Tensor in = inputs[0];
+  std::vector<at::Tensor> outs;
+  if (rank_ == root) {
+    if (outputs.size() != 1 || outputs[0].size() != static_cast<size_t>(size_))
+      throw InvalidArgument(fmt::format("{}the root needs one output list of {} tensors",
+                                        errorContext(rank_, "gather"), size_));
+    outs = outputs[0];
+    for (const auto& o : outs) {
+      checkTensor(o, rank_, "gather");
+      checkSameType(o, in, rank_, "gather");
+      if (o.numel() != in.numel())
+        throw InvalidArgument(errorContext(rank_, "gather") + "output tensors must match the input's size");
+    }
+  } else if (!outputs.empty() && !outputs[0].empty()) {
+    throw InvalidArgument(errorContext(rank_, "gather") + "only the root passes output tensors");
+  }
+  CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+  return submit(c10d::OpType::GATHER, "gather", outs, o.timeout, [&](CrossbarWork& w) {
+    at::Tensor src = contiguousCopy(in);
+    Moved m = movedType(src);
+    w.keepalive = {src};
+    void* recv = nullptr;
+    if (rank_ == root) {
+      at::Tensor flat = flatLike(in, in.numel() * size_);
+      w.keepalive.push_back(flat);
+      recv = flat.data_ptr();
+      w.post = [outs, flat, n = in.numel()]() mutable {
+        for (size_t i = 0; i < outs.size(); ++i)
+          outs[i].copy_(flat.narrow(0, static_cast<int64_t>(i) * n, n).view(outs[i].sizes()));
+      };
+    }
+    w.coll = coll_->gather(src.data_ptr(), recv, elems(src) * m.scale, root, m.type, o);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                        std::vector<std::vector<at::Tensor>>& inputs,
+                                                        const c10d::ScatterOptions& opts) {
+  checkSingle(outputs, rank_, "scatter");
+  const int root = static_cast<int>(opts.rootRank);
+  at::Tensor out = outputs[0];
+  std::vector<at::Tensor> ins;
+  if (rank_ == root) {
+    if (inputs.size() != 1 || inputs[0].size() != static_cast<size_t>(size_))
+      throw InvalidArgument(fmt::format("{}the root needs one input list of {} tensors",
+                                        errorContext(rank_, "scatter"), size_));
+    ins = inputs[0];
+    for (const auto& i : ins) {
+      checkTensor(i, rank_, "scatter");
+      checkSameType(i, out, rank_, "scatter");
+      if (i.numel() != out.numel())
+        throw InvalidArgument(errorContext(rank_, "scatter") + "input tensors must match the output's size");
+    }
+  } else if (!inputs.empty() && !inputs[0].empty()) {
+    throw InvalidArgument(errorContext(rank_, "scatter") + "only the root passes input tensors");
+  }
+  CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+  return submit(c10d::OpType::SCATTER, "scatter", outputs, o.timeout, [&](CrossbarWork& w) {
+    std::vector<std::function<void()>> post;
+    at::Tensor dst = outputStage(out, false, post);
+    Moved m = movedType(dst);
+    w.keepalive = {dst};
+    const void* send = nullptr;
+    if (rank_ == root) {
+      std::vector<at::Tensor> flat_ins;
+      for (const auto& i : ins) flat_ins.push_back(i.reshape({-1}));
+      at::Tensor flat = at::cat(flat_ins);
+      w.keepalive.push_back(flat);
+      send = flat.data_ptr();
+    }
+    w.post = sequence(std::move(post));
+    w.coll = coll_->scatter(send, dst.data_ptr(), elems(dst) * m.scale, root, m.type, o);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                               std::vector<std::vector<at::Tensor>>& inputs,
+                                                               const c10d::ReduceScatterOptions& opts) {
+  checkSingle(outputs, rank_, "reduce_scatter");
+  if (inputs.size() != 1 || inputs[0].size() != static_cast<size_t>(size_))
+    throw InvalidArgument(fmt::format("{}expected one input list of {} tensors (one per rank)",
+                                      errorContext(rank_, "reduce_scatter"), size_));
+  at::Tensor out = outputs[0];
+  std::vector<at::Tensor> ins = inputs[0];
+  for (const auto& i : ins) {
+    checkTensor(i, rank_, "reduce_scatter");
+    checkSameType(i, out, rank_, "reduce_scatter");
+    if (i.numel() != out.numel())
+      throw InvalidArgument(errorContext(rank_, "reduce_scatter") + "input tensors must match the output's size");
+  }
+  Reduction r = mapReduction(out.scalar_type(), opts.reduceOp, rank_, "reduce_scatter");
+  CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
+  return submit(c10d::OpType::REDUCE_SCATTER, "reduce_scatter", outputs, o.timeout, [&](CrossbarWork& w) {
+    std::vector<std::function<void()>> post;
+    at::Tensor dst = outputStage(out, false, post);
+    std::vector<at::Tensor> flat_ins;
+    for (const auto& i : ins) flat_ins.push_back(i.reshape({-1}));
+    at::Tensor flat = at::cat(flat_ins);
+    w.keepalive = {dst, flat};
+    w.post = sequence(std::move(post));
+    w.coll = coll_->reduceScatter(flat.data_ptr(), dst.data_ptr(), elems(dst), r.type, r.op, o);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                     const c10d::ReduceScatterOptions& opts) {
+  checkTensor(input, rank_, "reduce_scatter_tensor");
+  checkTensor(output, rank_, "reduce_scatter_tensor");
+  checkSameType(output, input, rank_, "reduce_scatter_tensor");
+  if (input.numel() != output.numel() * size_)
+    throw InvalidArgument(fmt::format("{}input has {} elements, expected output ({}) x world size ({})",
+                                      errorContext(rank_, "reduce_scatter_tensor"), input.numel(),
+                                      output.numel(), size_));
+  Reduction r = mapReduction(output.scalar_type(), opts.reduceOp, rank_, "reduce_scatter_tensor");
+  CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
+  return submit(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {output}, o.timeout,
+                [&](CrossbarWork& w) {
+                  std::vector<std::function<void()>> post;
+                  at::Tensor dst = outputStage(output, false, post);
+                  at::Tensor src = contiguousCopy(input);
+                  w.keepalive = {dst, src};
+                  w.post = sequence(std::move(post));
+                  w.coll = coll_->reduceScatter(src.data_ptr(), dst.data_ptr(), elems(dst), r.type, r.op, o);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  if (outputs.size() != inputs.size())
+    throw InvalidArgument(errorContext(rank_, "reduce_scatter_tensor_coalesced") +
+                          "needs as many outputs as inputs");
+  checkTensors(inputs, rank_, "reduce_scatter_tensor_coalesced");
+  checkTensors(outputs, rank_, "reduce_scatter_tensor_coalesced");
+  std::vector<Reduction> rs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkSameType(outputs[i], inputs[i], rank_, "reduce_scatter_tensor_coalesced");
+    if (inputs[i].numel() != outputs[i].numel() * size_)
+      throw InvalidArgument(errorContext(rank_, "reduce_scatter_tensor_coalesced") +
+                            "each input needs output size x world size elements");
+    rs.push_back(mapReduction(outputs[i].scalar_type(), opts.reduceOp, rank_, "reduce_scatter_tensor_coalesced"));
+  }
+  CollOptions o{timeoutOf(opts.timeout), "", rs.empty() ? 1.0 : rs[0].scalar};
+  return submit(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, "reduce_scatter_tensor_coalesced", outputs,
+                o.timeout, [&](CrossbarWork& w) {
+                  std::vector<std::function<void()>> post;
+                  coll_->groupStart();
+                  try {
+                    for (size_t i = 0; i < inputs.size(); ++i) {
+                      at::Tensor dst = outputStage(outputs[i], false, post);
+                      at::Tensor src = contiguousCopy(inputs[i]);
+                      w.keepalive.push_back(dst);
+                      w.keepalive.push_back(src);
+                      coll_->reduceScatter(src.data_ptr(), dst.data_ptr(), elems(dst), rs[i].type, rs[i].op, o);
+                    }
+                  } catch (...) {
+                    coll_->groupEnd();
+                    throw;
+                  }
+                  w.coll = coll_->groupEnd();
+                  w.post = sequence(std::move(post));
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                              std::vector<int64_t>& output_splits,
+                                                              std::vector<int64_t>& input_splits,
+                                                              const c10d::AllToAllOptions& opts) {
+  const char* op = "all_to_all_single";
+  checkTensor(input, rank_, op);
+  checkTensor(output, rank_, op);
+  checkSameType(output, input, rank_, op);
+  CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+  const bool even = output_splits.empty() && input_splits.empty();
+  if (even) {
+    if (input.numel() % size_ != 0 || output.numel() != input.numel())
+      throw InvalidArgument(fmt::format("{}without split sizes, input and output need the same number of "
+                                        "elements, divisible by the world size ({}); got {} and {}",
+                                        errorContext(rank_, op), size_, input.numel(), output.numel()));
+  }
+  // Split sizes count dim-0 slices; crossbar counts elements.
+  auto counts = [&](const std::vector<int64_t>& splits, const at::Tensor& t, const char* which) {
+    std::vector<size_t> c(size_);
+    const int64_t rows = t.dim() > 0 ? t.size(0) : 1;
+    const int64_t row = rows > 0 ? t.numel() / rows : 0;
+    if (splits.empty()) {
+      if (rows % size_ != 0)
+        throw InvalidArgument(fmt::format("{}{} dim 0 ({}) is not divisible by the world size ({}); pass split "
+                                          "sizes",
+                                          errorContext(rank_, op), which, rows, size_));
+      for (auto& x : c) x = static_cast<size_t>(rows / size_ * row);
+      return c;
+    }
+    if (splits.size() != static_cast<size_t>(size_))
+      throw InvalidArgument(fmt::format("{}{} split sizes have {} entries, expected {}", errorContext(rank_, op),
+                                        which, splits.size(), size_));
+    int64_t total = 0;
+    for (int i = 0; i < size_; ++i) {
+      if (splits[i] < 0) throw InvalidArgument(errorContext(rank_, op) + "split sizes must not be negative");
+      total += splits[i];
+      c[i] = static_cast<size_t>(splits[i] * row);
+    }
+    if (total != rows)
+      throw InvalidArgument(fmt::format("{}{} split sizes add up to {} but dim 0 is {}", errorContext(rank_, op),
+                                        which, total, rows));
+    return c;
+  };
+  std::vector<size_t> scounts = counts(input_splits, input, "input");
+  std::vector<size_t> rcounts = counts(output_splits, output, "output");
+  return submit(c10d::OpType::ALLTOALL_BASE, op, {output}, o.timeout, [&](CrossbarWork& w) {
+    std::vector<std::function<void()>> post;
+    at::Tensor dst = outputStage(output, false, post);
+    at::Tensor src = contiguousCopy(input);
+    Moved m = movedType(src);
+    w.keepalive = {dst, src};
+    w.post = sequence(std::move(post));
+    if (even) {
+      w.coll = coll_->alltoall(src.data_ptr(), dst.data_ptr(), elems(src) / size_ * m.scale, m.type, o);
+      return;
+    }
+    std::vector<size_t> sd(size_), rd(size_);
+    for (auto* v : {&scounts, &rcounts})
+      for (auto& x : *v) x *= m.scale;
+    std::exclusive_scan(scounts.begin(), scounts.end(), sd.begin(), size_t{0});
+    std::exclusive_scan(rcounts.begin(), rcounts.end(), rd.begin(), size_t{0});
+    w.coll = coll_->alltoallv(src.data_ptr(), scounts, sd, dst.data_ptr(), rcounts, rd, m.type, o);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                         std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllToAllOptions& opts) {
+  if (outputs.size() != static_cast<size_t>(size_) || inputs.size() != static_cast<size_t>(size_))
+    throw InvalidArgument(fmt::format("{}expected {} input and output tensors (one per rank), got {} and {}",
+                                      errorContext(rank_, "all_to_all"), size_, inputs.size(), outputs.size()));
+  checkTensors(inputs, rank_, "all_to_all");
+  checkTensors(outputs, rank_, "all_to_all");
+  for (int i = 0; i < size_; ++i) {
+    checkSameType(outputs[i], inputs[0], rank_, "all_to_all");
+    checkSameType(inputs[i], inputs[0], rank_, "all_to_all");
+  }
+  CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+  return submit(c10d::OpType::ALLTOALL, "all_to_all", outputs, o.timeout, [&](CrossbarWork& w) {
+    Moved m = movedType(inputs[0]);
+    std::vector<at::Tensor> flat_ins;
+    std::vector<size_t> sc(size_), rc(size_), sd(size_), rd(size_);
+    int64_t rtotal = 0;
+    for (int i = 0; i < size_; ++i) {
+      flat_ins.push_back(inputs[i].reshape({-1}));
+      sc[i] = elems(inputs[i]) * m.scale;
+      rc[i] = elems(outputs[i]) * m.scale;
+      rtotal += outputs[i].numel();
+    }
+    at::Tensor src = at::cat(flat_ins);
+    at::Tensor flat = flatLike(inputs[0], rtotal);
+    std::exclusive_scan(sc.begin(), sc.end(), sd.begin(), size_t{0});
+    std::exclusive_scan(rc.begin(), rc.end(), rd.begin(), size_t{0});
+    w.keepalive = {src, flat};
+    w.post = [outs = outputs, flat]() mutable {
+      int64_t off = 0;
+      for (auto& t : outs) {
+        t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+        off += t.numel();
+      }
+    };
+    w.coll = coll_->alltoallv(src.data_ptr(), sc, sd, flat.data_ptr(), rc, rd, m.type, o);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::barrier(const c10d::BarrierOptions& opts) {
+  CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+  return submit(c10d::OpType::BARRIER, "barrier", {}, o.timeout,
+                [&](CrossbarWork& w) { w.coll = coll_->barrier(o); });
+}
+
+// ---- point to point: straight on the Communicator, so a pending recv never holds up
+// collectives or other sends (gloo's semantics) ----------------------------------------------
+
+namespace {
+void checkP2p(int peer, int size, int rank, int tag, const char* op) {
+  if (peer < 0 || peer >= size)
+    throw InvalidArgument(fmt::format("{}peer {} is out of range for a group of {} ranks", errorContext(rank, op),
+                                      peer, size));
+  if (peer == rank)
+    throw InvalidArgument(fmt::format("{}peer {} is this rank; copy locally instead", errorContext(rank, op), peer));
+  if (tag < 0 || static_cast<uint32_t>(tag) >= kInternalTagBase)
+    throw InvalidArgument(fmt::format("{}tag {} is out of range (0 <= tag < {:#x})", errorContext(rank, op), tag,
+                                      kInternalTagBase));
+}
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  checkSingle(tensors, rank_, "send");
+  checkP2p(dst, size_, rank_, tag, "send");
+  at::Tensor t = tensors[0];
+  return submit(
+      c10d::OpType::SEND, "send", tensors, Millis(timeout_ms_.load()),
+      [&](CrossbarWork& w) {
+        at::Tensor src = contiguousCopy(t);
+        w.keepalive = {src};
+        w.requests.push_back(comm_->isend(src.data_ptr(), src.nbytes(), dst, static_cast<uint32_t>(tag)));
+      },
+      true);
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  checkSingle(tensors, rank_, "recv");
+  checkP2p(src, size_, rank_, tag, "recv");
+  at::Tensor t = tensors[0];
+  return submit(
+      c10d::OpType::RECV, "recv", tensors, Millis(timeout_ms_.load()),
+      [&](CrossbarWork& w) {
+        std::vector<std::function<void()>> post;
+        at::Tensor dst = outputStage(t, false, post);
+        const size_t bytes = dst.nbytes();
+        auto req = comm_->irecv(dst.data_ptr(), bytes, src, static_cast<uint32_t>(tag));
+        post.insert(post.begin(), [req, bytes, src, rank = rank_] {
+          if (req->status().bytes != bytes)
+            throw InvalidUsage(fmt::format("{}rank {} sent {} bytes, expected {}; do the tensor sizes match?",
+                                           errorContext(rank, "recv"), src, req->status().bytes, bytes),
+                               {src});
+        });
+        w.keepalive = {dst};
+        w.requests.push_back(req);
+        w.source_rank_ = src;
+        w.post = sequence(std::move(post));
+      },
+      true);
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::recvAnysource(std::vector<at::Tensor>& /*tensors*/, int /*tag*/) {
+  throw Unsupported(errorContext(rank_, "recv") +
+                    "receiving from any source (recv without src) is not supported by crossbar yet; pass src=, "
+                    "or use a gloo group for this receive");
+}
+
+// ---- coalescing: collectives go into one crossbar group; point to point is already
+// nonblocking, so the coalesced Work just waits for all of it --------------------------------
+
+void CrossbarBackend::startCoalescing() {
+  ensureUsable("start_coalescing");
+  if (coalescing_)
+    throw InvalidUsage(errorContext(rank_, "start_coalescing") + "already coalescing; end the open batch first");
+  coll_->groupStart();
+  coalescing_ = true;
+  coalesced_ = c10::make_intrusive<CrossbarWork>(rank_, c10d::OpType::COALESCED, nullptr, std::vector<at::Tensor>{},
+                                                 Millis(timeout_ms_.load()));
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::endCoalescing() {
+  if (!coalescing_)
+    throw InvalidUsage(errorContext(rank_, "end_coalescing") + "end_coalescing without start_coalescing");
+  coalescing_ = false;
+  c10::intrusive_ptr<CrossbarWork> w = std::move(coalesced_);
+  WorkPtr group = coll_->groupEnd();
+  bool has_coll = false;
+  std::vector<std::function<void()>> posts;
+  for (auto& c : w->children) {
+    if (c->coll) has_coll = true;
+    w->requests.insert(w->requests.end(), c->requests.begin(), c->requests.end());
+    if (c->post) posts.push_back(std::exchange(c->post, nullptr));
+    w->keepalive.insert(w->keepalive.end(), c->keepalive.begin(), c->keepalive.end());
+    c->coll = group;
+  }
+  w->coll = group;
+  w->post = sequence(std::move(posts));
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    if (has_coll || w->requests.empty()) {
+      coll_pending_.push_back(w);
+    } else {
+      // Only point to point: the (empty) crossbar group needs no waiting.
+      p2p_incoming_.push_back(w);
+      p2p_new_ = true;
+    }
+  }
+  cv_.notify_all();
+  return w;
+}
+
+}  // namespace crossbar::torch_backend

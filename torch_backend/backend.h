@@ -1,0 +1,209 @@
+// crossbar as a torch.distributed backend: a c10d::Backend over crossbar's Collectives
+// (collective ops, in issue order) and Communicator (point to point, truly nonblocking
+// like gloo's). CPU tensors only for now; CUDA tensors raise Unsupported.
+//
+// Built against several torch versions: methods that not every supported version
+// declares are written without `override` (they override where the base has them and
+// are plain members elsewhere), and types that are version-specific are guarded.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/version.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/collectives.h"
+#include "comm/communicator.h"
+#include "comm/store.h"
+
+#define CROSSBAR_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+namespace crossbar::torch_backend {
+
+// crossbar::Store over torch's c10d::Store (what init_process_group hands a backend),
+// so the Communicator rendezvous through torch's TCPStore/FileStore/PrefixStore.
+class TorchStoreAdapter : public crossbar::Store {
+ public:
+  explicit TorchStoreAdapter(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key, Deadline deadline) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) override;
+  bool check(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, Deadline deadline) override;
+  bool deleteKey(const std::string& key) override;
+  int64_t numKeys() override;
+  using crossbar::Store::get;
+  using crossbar::Store::set;
+  using crossbar::Store::wait;
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// A torch Work over a crossbar Work (collectives) or Requests (point to point). Completes
+// asynchronously: the backend's completion threads (or a wait()) finish it, which runs
+// the post-processing (copies back into non-contiguous or listed outputs) and marks the
+// future, so DDP communication hooks chain on getFuture().
+class CrossbarWork : public c10d::Work {
+ public:
+  CrossbarWork(int rank, c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs,
+               Millis timeout);
+  ~CrossbarWork() override;
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override { return source_rank_; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  void synchronize() override {}
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void abort() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::chrono::milliseconds getTimeout() const { return timeout_; }
+
+  // --- for the backend ---
+  // True when the underlying operation finished; *err gets its failure.
+  bool underlyingDone(std::exception_ptr* err);
+  // Blocks until the underlying operation finished or `deadline`; false on deadline.
+  bool waitUnderlying(Deadline deadline, std::exception_ptr* err);
+  // Runs post-processing once, records the result and marks the future.
+  void complete(std::exception_ptr err);
+
+  WorkPtr coll;                       // collectives
+  std::vector<RequestPtr> requests;   // point to point
+  std::function<void()> post;         // after success: copy results into the user's tensors
+  std::vector<at::Tensor> keepalive;  // staging buffers the operation reads or writes
+  std::vector<c10::intrusive_ptr<CrossbarWork>> children;  // a coalesced group's parts
+  int source_rank_ = -1;
+  Deadline deadline = Deadline::never();  // point to point: when the completion thread gives up
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  Millis timeout_;
+  bool finalizing_ = false;
+};
+
+class CrossbarBackend : public c10d::Backend {
+ public:
+  struct Options : c10d::Backend::Options {
+    explicit Options(std::chrono::milliseconds timeout = kBackendDefaultTimeout)
+        : c10d::Backend::Options("crossbar", timeout) {}
+    // Not `override`: Options::clone() is new in recent torch versions.
+    c10::intrusive_ptr<c10d::Backend::Options> clone() const { return c10::make_intrusive<Options>(*this); }
+    int ranks_per_node = -1;  // -1: CROSSBAR_RANKS_PER_NODE (topology override for testing)
+    std::string name;         // communicator name in logs and errors; default: the group name
+  };
+
+  CrossbarBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                  c10::intrusive_ptr<Options> options = c10::make_intrusive<Options>());
+  ~CrossbarBackend() override;
+
+  const std::string getBackendName() const override { return "crossbar"; }
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() { return options_; }
+  Communicator& communicator() const { return *comm_; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Not `override`: these are not declared by every supported torch version.
+  bool supportsCoalescing() const { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+  void setTimeout(std::chrono::milliseconds timeout);
+  void abort();
+  void shutdown();
+#if CROSSBAR_TORCH_AT_LEAST(2, 6)
+  c10d::ErrorType getError();
+#endif
+
+ private:
+  struct CollCall;
+  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
+                                        Millis timeout, const std::function<void(CrossbarWork&)>& issue,
+                                        bool p2p = false);
+  Millis timeoutOf(std::chrono::milliseconds requested) const;
+  void ensureUsable(const char* op) const;
+  void completionLoop();
+  void p2pLoop();
+  void stopThreads();
+
+  c10::intrusive_ptr<Options> options_;
+  std::shared_ptr<Communicator> comm_;
+  std::unique_ptr<Collectives> coll_;
+  std::atomic<int64_t> timeout_ms_;
+
+  // Completion: collective Works finish in issue order, so one thread waits on the
+  // oldest; point-to-point Requests finish in any order, so another polls them all.
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<c10::intrusive_ptr<CrossbarWork>> coll_pending_;
+  std::deque<c10::intrusive_ptr<CrossbarWork>> p2p_incoming_;
+  bool stop_ = false;
+  std::thread coll_thread_, p2p_thread_;
+  std::atomic<bool> p2p_new_{false};
+
+  // Coalescing (batch_isend_irecv, _coalescing_manager).
+  bool coalescing_ = false;
+  c10::intrusive_ptr<CrossbarWork> coalesced_;
+
+  std::exception_ptr first_error_;  // for getError()
+  // Timed-out point-to-point works whose buffers a transport may still write into.
+  std::vector<c10::intrusive_ptr<CrossbarWork>> orphans_;
+  bool shut_down_ = false;
+};
+
+}  // namespace crossbar::torch_backend
