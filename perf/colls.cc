@@ -9,9 +9,13 @@ namespace {
 
 // Per-rank blocks are multiples of 4 elements, as nccl-tests aligns them.
 constexpr size_t kAlign = 4;
-size_t alignedBase(size_t count, int n) { return (count / (kAlign * n)) * kAlign; }
+size_t alignedBase(size_t count, int n) {
+  return (count / (kAlign * n)) * kAlign;
+}
 
-ByteCounts sameCounts(size_t count, int) { return {count, count, count, 0, 0}; }
+ByteCounts sameCounts(size_t count, int) {
+  return {count, count, count, 0, 0};
+}
 ByteCounts gatherCounts(size_t count, int n) {
   size_t b = alignedBase(count, n);
   return {b, b * n, b, b, 0};
@@ -25,28 +29,48 @@ ByteCounts alltoallCounts(size_t count, int n) {
   return {b * n, b * n, b, 0, 0};
 }
 
-double one(int) { return 1.0; }
-double ranks(int n) { return n; }
-double ranksMinusOne(int n) { return n - 1; }
-double ringFactor(int n) { return static_cast<double>(n - 1) / n; }
-double allreduceFactor(int n) { return 2.0 * (n - 1) / n; }
-std::string anyRanks(int) { return {}; }
+double one(int) {
+  return 1.0;
+}
+double ranks(int n) {
+  return n;
+}
+double ranksMinusOne(int n) {
+  return n - 1;
+}
+double ringFactor(int n) {
+  return static_cast<double>(n - 1) / n;
+}
+double allreduceFactor(int n) {
+  return 2.0 * (n - 1) / n;
+}
+std::string anyRanks(int) {
+  return {};
+}
 std::string powerOfTwo(int n) {
   if (n > 0 && (n & (n - 1)) == 0) return {};
   return "nRanks " + std::to_string(n) + " is not a power of 2, skipping";
 }
 
-int rankOf(const RunArgs& a) { return a.coll->comm().rank(); }
-int sizeOf(const RunArgs& a) { return a.coll->comm().size(); }
+int rankOf(const RunArgs& a) {
+  return a.coll->comm().rank();
+}
+int sizeOf(const RunArgs& a) {
+  return a.coll->comm().size();
+}
 
 WorkPtr runAllreduce(const RunArgs& a) {
   return a.coll->allreduce(a.send, a.recv, a.count, a.type, a.op, a.options);
 }
-WorkPtr runAllgather(const RunArgs& a) { return a.coll->allgather(a.send, a.recv, a.count, a.type, a.options); }
+WorkPtr runAllgather(const RunArgs& a) {
+  return a.coll->allgather(a.send, a.recv, a.count, a.type, a.options);
+}
 WorkPtr runReduceScatter(const RunArgs& a) {
   return a.coll->reduceScatter(a.send, a.recv, a.count, a.type, a.op, a.options);
 }
-WorkPtr runAlltoall(const RunArgs& a) { return a.coll->alltoall(a.send, a.recv, a.count, a.type, a.options); }
+WorkPtr runAlltoall(const RunArgs& a) {
+  return a.coll->alltoall(a.send, a.recv, a.count, a.type, a.options);
+}
 WorkPtr runBroadcast(const RunArgs& a) {
   // crossbar's broadcast has one buffer: out of place, the root's data starts in send.
   if (a.send != a.recv && rankOf(a) == a.root) std::memcpy(a.recv, a.send, a.count * elementSize(a.type));
@@ -90,7 +114,6 @@ WorkPtr runHypercube(const RunArgs& a) {
   return last ? last : a.coll->barrier(a.options);
 }
 
-
 // Checks: count the wrong elements of this rank's result (b = elements per block).
 size_t checkAllreduce(const DataSpec& s, int, int, size_t b, const char* recv) {
   return countWrong(s, 0, 0, b, recv);
@@ -126,16 +149,21 @@ size_t checkAlltoall(const DataSpec& s, int rank, int, size_t b, const char* rec
 }
 
 const CollTest kTests[] = {
-    {"all_reduce", true, false, false, sameCounts, allreduceFactor, one, runAllreduce, checkAllreduce, anyRanks},
-    {"all_gather", false, false, false, gatherCounts, ringFactor, ranks, runAllgather, checkAllgather, anyRanks},
-    {"reduce_scatter", true, false, false, scatterCounts, ringFactor, ranks, runReduceScatter, checkReduceScatter, anyRanks},
-    {"alltoall", false, false, false, alltoallCounts, ringFactor, ranks, runAlltoall, checkAlltoall, anyRanks},
+    {"all_reduce", true, false, false, sameCounts, allreduceFactor, one, runAllreduce, checkAllreduce,
+     anyRanks},
+    {"all_gather", false, false, false, gatherCounts, ringFactor, ranks, runAllgather, checkAllgather,
+     anyRanks},
+    {"reduce_scatter", true, false, false, scatterCounts, ringFactor, ranks, runReduceScatter,
+     checkReduceScatter, anyRanks},
+    {"alltoall", false, false, false, alltoallCounts, ringFactor, ranks, runAlltoall, checkAlltoall,
+     anyRanks},
     {"broadcast", false, true, false, sameCounts, one, one, runBroadcast, checkBroadcast, anyRanks},
     {"reduce", true, true, true, sameCounts, one, one, runReduce, checkReduce, anyRanks},
     {"gather", false, true, true, gatherCounts, ringFactor, ranks, runGather, checkGather, anyRanks},
     {"scatter", false, true, false, scatterCounts, ringFactor, ranks, runScatter, checkScatter, anyRanks},
     {"sendrecv", false, false, false, sameCounts, one, one, runSendrecv, checkSendrecv, anyRanks},
-    {"hypercube", false, false, false, gatherCounts, one, ranksMinusOne, runHypercube, checkAllgather, powerOfTwo},
+    {"hypercube", false, false, false, gatherCounts, one, ranksMinusOne, runHypercube, checkAllgather,
+     powerOfTwo},
 };
 
 }  // namespace
@@ -157,7 +185,8 @@ const CollTest* findCollTest(const std::string& name) {
 
 void computeBandwidth(const CollTest& t, size_t param_count, size_t elem_size, double seconds, int nranks,
                       double* algbw, double* busbw) {
-  const double bytes = static_cast<double>(param_count) * static_cast<double>(elem_size) * t.algBytesFactor(nranks);
+  const double bytes =
+      static_cast<double>(param_count) * static_cast<double>(elem_size) * t.algBytesFactor(nranks);
   *algbw = seconds > 0 ? bytes / 1.0e9 / seconds : 0.0;
   *busbw = *algbw * t.busFactor(nranks);
 }

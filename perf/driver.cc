@@ -1,5 +1,7 @@
 // The common driver: launching (self, mpirun, srun, torchrun), buffers, warm-up, timing
 // loop, cross-rank time aggregation, data check, table and footer, exit status.
+#include "perf/driver.h"
+
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -10,12 +12,12 @@
 #include <cstring>
 #include <memory>
 
+#include "collectives/algorithms.h"
 #include "comm/communicator.h"
 #include "comm/errors.h"
-#include "collectives/algorithms.h"
 #include "comm/local_launch.h"
+#include "comm/topology.h"
 #include "crossbar_build_info.h"
-#include "perf/driver.h"
 
 namespace crossbar::perf {
 namespace {
@@ -139,7 +141,8 @@ void Runner::printHeader(size_t max_bytes) {
       "# nThread {} nGpus {} minBytes {} maxBytes {} step: {}({}) warmup iters: {} iters: {} agg iters: {} "
       "validation: {} graph: {}\n",
       o_.nthreads, o_.ngpus, o_.min_bytes, max_bytes, o_.step_factor > 1 ? o_.step_factor : o_.step_bytes,
-      o_.step_factor > 1 ? "factor" : "bytes", o_.warmup_iters, o_.iters, o_.agg_iters, o_.check, o_.cudagraph);
+      o_.step_factor > 1 ? "factor" : "bytes", o_.warmup_iters, o_.iters, o_.agg_iters, o_.check,
+      o_.cudagraph);
   if (o_.blocking) h += "# Blocking Enabled: wait for completion and barrier after each collective \n";
   h += fmt::format("# crossbar {}: memory host, {} ranks on {} node(s), algorithm {}\n", CROSSBAR_VERSION, n_,
                    comm_->numNodes(), o_.algo.empty() ? "auto (selection table)" : o_.algo);
@@ -152,13 +155,15 @@ void Runner::printHeader(size_t max_bytes) {
   // Every rank's line, gathered to rank 0 in rank order.
   constexpr size_t kLine = 256;
   char line[kLine] = {};
-  std::snprintf(line, kLine, "#  Rank %2d Group %2d Pid %6d on %10s device cpu [node %d] host memory, local rank %d/%d\n",
+  std::snprintf(line, kLine,
+                "#  Rank %2d Group %2d Pid %6d on %10s device cpu [node %d] host memory, local rank %d/%d\n",
                 rank_, 0, static_cast<int>(getpid()), hostName().c_str(), comm_->node(), comm_->localRank(),
                 comm_->localSize());
   std::vector<char> all(kLine * n_);
   coll_.allgather(line, all.data(), kLine, DataType::kUInt8, internal_)->wait();
   std::string lines;
-  for (int r = 0; r < n_; ++r) lines += std::string(all.data() + r * kLine, strnlen(all.data() + r * kLine, kLine));
+  for (int r = 0; r < n_; ++r)
+    lines += std::string(all.data() + r * kLine, strnlen(all.data() + r * kLine, kLine));
   print(lines);
 }
 
@@ -198,7 +203,8 @@ WorkPtr Runner::start(DataType type, std::optional<ReduceOp> op, int root, const
   return w;
 }
 
-std::string Runner::benchTime(DataType type, std::optional<ReduceOp> op, int root, size_t size, bool in_place) {
+std::string Runner::benchTime(DataType type, std::optional<ReduceOp> op, int root, size_t size,
+                              bool in_place) {
   const size_t es = elementSize(type);
   const ByteCounts bc = t_.byteCounts(size / es, n_);
   DataSpec spec;
@@ -259,12 +265,13 @@ std::string Runner::benchTime(DataType type, std::optional<ReduceOp> op, int roo
   const double usec = seconds * 1e6;
   if (rank_ == 0) {
     std::string rec = fmt::format(
-        "{{\"collective\": \"{}\", \"bytes\": {}, \"count\": {}, \"type\": \"{}\", \"op\": \"{}\", \"root\": {}, "
+        "{{\"collective\": \"{}\", \"bytes\": {}, \"count\": {}, \"type\": \"{}\", \"op\": \"{}\", \"root\": "
+        "{}, "
         "\"placement\": \"{}\", \"in_place\": {}, \"time_us\": {:.3f}, \"algbw\": {:.6f}, \"busbw\": {:.6f}, "
         "\"wrong\": {}, \"nranks\": {}, \"algo\": \"{}\", \"mem\": \"host\"}}",
         t_.name, std::max(bc.send_count, bc.recv_count) * es, bc.param_count, dataTypeName(type),
-        opDisplayName(spec.op), root, in_place ? "in-place" : "out-of-place", in_place ? "true" : "false", usec,
-        algbw, busbw, wrong < 0 ? std::string("null") : std::to_string(wrong), n_,
+        opDisplayName(spec.op), root, in_place ? "in-place" : "out-of-place", in_place ? "true" : "false",
+        usec, algbw, busbw, wrong < 0 ? std::string("null") : std::to_string(wrong), n_,
         jsonEscape(o_.algo.empty() ? "auto" : o_.algo));
     records_.push_back(rec);
     if (json_lines_) {
@@ -288,8 +295,9 @@ bool Runner::runTest(DataType type, std::optional<ReduceOp> op, int root) {
   do {
     for (size_t size = o_.min_bytes; size <= max_bytes_;) {
       const ByteCounts bc = t_.byteCounts(size / es, n_);
-      std::string row = rowPrefix(std::max(bc.send_count, bc.recv_count) * es, bc.param_count, dataTypeName(type),
-                                  opDisplayName(t_.reduction ? op : std::nullopt), t_.rooted ? root : -1);
+      std::string row =
+          rowPrefix(std::max(bc.send_count, bc.recv_count) * es, bc.param_count, dataTypeName(type),
+                    opDisplayName(t_.reduction ? op : std::nullopt), t_.rooted ? root : -1);
       const std::string skipped = fmt::format("  {:>7}  {:>6}  {:>6}  {:>5}", "N/A", "N/A", "N/A", "N/A");
       row += o_.in_place == 1 ? skipped : benchTime(type, op, root, size, false);
       row += o_.in_place == 2 ? skipped : benchTime(type, op, root, size, true);
@@ -319,7 +327,8 @@ int Runner::run() {
   if (rank_ == 0 && !o_.json_lines.empty()) {
     json_lines_ = std::fopen(o_.json_lines.c_str(), "w");
     if (!json_lines_)
-      throw InvalidArgument(fmt::format("perf: cannot open --json file {}: {}", o_.json_lines, std::strerror(errno)));
+      throw InvalidArgument(
+          fmt::format("perf: cannot open --json file {}: {}", o_.json_lines, std::strerror(errno)));
   }
   print("#\n" + tableHeader(o_.report_cputime != 0));
 
@@ -328,8 +337,8 @@ int Runner::run() {
     print(unsupported + "\n");
   } else {
     if (t_.rooted && !o_.all_roots && o_.root >= n_)
-      throw InvalidArgument(fmt::format("perf: root {} is out of range for {} ranks (-r 0..{} or -r all)", o_.root,
-                                        n_, n_ - 1));
+      throw InvalidArgument(fmt::format("perf: root {} is out of range for {} ranks (-r 0..{} or -r all)",
+                                        o_.root, n_, n_ - 1));
     std::vector<int> roots;
     if (!t_.rooted) {
       roots.push_back(-1);
@@ -373,7 +382,8 @@ int Runner::run() {
       std::fprintf(stderr, "%s: cannot write -J file %s: %s\n", program_.c_str(), o_.output_file.c_str(),
                    std::strerror(errno));
     } else {
-      std::fprintf(f, "{\n  \"program\": \"%s\",\n  \"nranks\": %d,\n  \"results\": [\n", program_.c_str(), n_);
+      std::fprintf(f, "{\n  \"program\": \"%s\",\n  \"nranks\": %d,\n  \"results\": [\n", program_.c_str(),
+                   n_);
       for (size_t i = 0; i < records_.size(); ++i)
         std::fprintf(f, "    %s%s\n", records_[i].c_str(), i + 1 < records_.size() ? "," : "");
       std::fprintf(f, "  ],\n  \"out_of_bounds\": %d,\n  \"avg_busbw\": %g\n}\n", errors_, avg_bw);
@@ -383,7 +393,8 @@ int Runner::run() {
   return (errors_ || bw_failed) ? 1 : 0;
 }
 
-int runRank(const CollTest& t, const Options& o, std::shared_ptr<Communicator> comm, const std::string& program) {
+int runRank(const CollTest& t, const Options& o, std::shared_ptr<Communicator> comm,
+            const std::string& program) {
   int rc = 0;
   {
     Runner runner(t, o, comm, program);
@@ -416,12 +427,13 @@ int perfMain(const std::string& coll_name, int argc, char** argv) {
     return 0;
   }
   if (o.mem == "cuda") {
-    std::fprintf(stderr,
-                 CROSSBAR_CUDA_ENABLED
-                     ? "%s: --mem cuda is not available yet in the perf binaries; use --mem host\n"
-                     : "%s: --mem cuda: this crossbar was built without CUDA (CROSSBAR_WITH_CUDA=OFF or no toolkit); "
-                       "use --mem host\n",
-                 program.c_str());
+    std::fprintf(
+        stderr,
+        CROSSBAR_CUDA_ENABLED
+            ? "%s: --mem cuda is not available yet in the perf binaries; use --mem host\n"
+            : "%s: --mem cuda: this crossbar was built without CUDA (CROSSBAR_WITH_CUDA=OFF or no toolkit); "
+              "use --mem host\n",
+        program.c_str());
     return 2;
   }
   if (o.nthreads != 1 || o.ngpus != 1) {
@@ -435,18 +447,18 @@ int perfMain(const std::string& coll_name, int argc, char** argv) {
     for (DataType type : o.types)
       for (ReduceOp op : o.ops)
         if (!isSupported(type, op)) {
-          std::fprintf(stderr, "%s: -o %s is not supported for -d %s (floating-point types only)\n", program.c_str(),
-                       opDisplayName(op).c_str(), dataTypeName(type));
+          std::fprintf(stderr, "%s: -o %s is not supported for -d %s (floating-point types only)\n",
+                       program.c_str(), opDisplayName(op).c_str(), dataTypeName(type));
           return 2;
         }
   }
   if (!o.algo.empty()) {
     std::string coll = coll_name.rfind("all_", 0) == 0 ? "all" + coll_name.substr(4) : coll_name;
     CollType ct;
-    if (!parseCollType(coll, &ct) || (ct != CollType::kAllreduce && ct != CollType::kAllgather &&
-                                      ct != CollType::kReduceScatter && ct != CollType::kAlltoall &&
-                                      ct != CollType::kBroadcast && ct != CollType::kReduce &&
-                                      ct != CollType::kGather && ct != CollType::kScatter)) {
+    if (!parseCollType(coll, &ct) ||
+        (ct != CollType::kAllreduce && ct != CollType::kAllgather && ct != CollType::kReduceScatter &&
+         ct != CollType::kAlltoall && ct != CollType::kBroadcast && ct != CollType::kReduce &&
+         ct != CollType::kGather && ct != CollType::kScatter)) {
       std::fprintf(stderr, "%s: --algo does not apply: %s is built from point-to-point operations\n",
                    program.c_str(), coll_name.c_str());
       return 2;
@@ -469,7 +481,9 @@ int perfMain(const std::string& coll_name, int argc, char** argv) {
     if (o.nranks > 0 || !launcherPresent()) {
       const int n = o.nranks > 0 ? o.nranks : 1;
       auto exits = launchLocalRanks(n, [&](int rank, int size, std::shared_ptr<Store> store) {
-        return runRank(*t, o, Communicator::create(std::move(store), rank, size, copts), program);
+        auto comm = Communicator::create(std::move(store), rank, size, copts);
+        bindThisProcess(comm->localRank(), comm->localSize());  // CROSSBAR_BIND, as under a launcher
+        return runRank(*t, o, comm, program);
       });
       return combinedExitCode(exits);
     }

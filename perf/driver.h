@@ -52,8 +52,8 @@ struct Options {
   std::string mem = "host";
   std::string algo;
   int ranks_per_node = 0;
-  std::string json_lines;  // --json: one JSON record per size and placement
-  int nranks = 0;          // --nranks: fork this many local ranks (0: launcher or 1)
+  std::string json_lines;     // --json: one JSON record per size and placement
+  int nranks = 0;             // --nranks: fork this many local ranks (0: launcher or 1)
   bool inject_error = false;  // --inject-error: corrupt one result element (tests the checker)
   bool help = false;
 };
@@ -92,9 +92,9 @@ double premulScalar();
 
 // ---- per-collective table --------------------------------------------------------------
 struct ByteCounts {
-  size_t send_count = 0;   // elements in the send buffer
-  size_t recv_count = 0;   // elements in the receive buffer
-  size_t param_count = 0;  // the count passed to the collective (printed "count")
+  size_t send_count = 0;           // elements in the send buffer
+  size_t recv_count = 0;           // elements in the receive buffer
+  size_t param_count = 0;          // the count passed to the collective (printed "count")
   size_t send_inplace_offset = 0;  // in place: send = recv + offset * rank (elements)
   size_t recv_inplace_offset = 0;  // in place: recv = send + offset * rank (elements)
 };
@@ -116,10 +116,10 @@ struct RunArgs {
 };
 
 struct CollTest {
-  const char* name;         // "all_reduce": the binary is name + "_perf"
-  bool reduction;           // uses -o (else the op prints "none")
-  bool rooted;              // uses -r (else the root prints -1)
-  bool root_only_result;    // only the root's receive buffer holds a result (reduce, gather)
+  const char* name;       // "all_reduce": the binary is name + "_perf"
+  bool reduction;         // uses -o (else the op prints "none")
+  bool rooted;            // uses -r (else the root prints -1)
+  bool root_only_result;  // only the root's receive buffer holds a result (reduce, gather)
   ByteCounts (*byteCounts)(size_t count, int nranks);
   double (*busFactor)(int nranks);
   // algbw = bytes_moved / time with bytes_moved = algBytes(param_count * elsize, nranks).

@@ -11,7 +11,9 @@
 namespace crossbar::perf {
 namespace {
 
-[[noreturn]] void fail(const std::string& message) { throw UsageError{message}; }
+[[noreturn]] void fail(const std::string& message) {
+  throw UsageError{message};
+}
 
 std::string optionName(char short_name, const std::string& long_name) {
   std::string s;
@@ -39,7 +41,9 @@ int parseIntIn(const std::string& text, const std::string& what, long long lo, l
 
 size_t parseSizeOrFail(const std::string& text, const std::string& what) {
   auto v = parseSizeArg(text);
-  if (!v) fail("invalid size '" + text + "' for " + what + ": expected bytes with an optional K, M or G suffix (e.g. 8, 64K, 1M)");
+  if (!v)
+    fail("invalid size '" + text + "' for " + what +
+         ": expected bytes with an optional K, M or G suffix (e.g. 8, 64K, 1M)");
   return *v;
 }
 
@@ -57,7 +61,7 @@ std::vector<std::string> splitList(const std::string& s) {
 
 // nccl-tests order of "-o all" and "-d all".
 const ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMax,
-                            ReduceOp::kMin, ReduceOp::kAvg, ReduceOp::kPreMulSum};
+                            ReduceOp::kMin, ReduceOp::kAvg,  ReduceOp::kPreMulSum};
 const DataType kAllTypes[] = {DataType::kInt8,     DataType::kUInt8,      DataType::kInt32,
                               DataType::kUInt32,   DataType::kInt64,      DataType::kUInt64,
                               DataType::kFloat16,  DataType::kFloat32,    DataType::kFloat64,
@@ -107,7 +111,9 @@ std::vector<Spec> specs() {
          }
          for (const std::string& name : splitList(v)) {
            auto op = name == "mulsum" ? std::optional<ReduceOp>(ReduceOp::kPreMulSum) : parseReduceOp(name);
-           if (!op) fail("invalid value '" + name + "' for " + w + ": expected sum, prod, min, max, avg, mulsum or all");
+           if (!op)
+             fail("invalid value '" + name + "' for " + w +
+                  ": expected sum, prod, min, max, avg, mulsum or all");
            o.ops.push_back(*op);
          }
        }},
@@ -123,7 +129,8 @@ std::vector<Spec> specs() {
            auto t = parseDataType(name);
            if (!t)
              fail("invalid value '" + name + "' for " + w +
-                  ": expected int8, uint8, int32, uint32, int64, uint64, half, float, double, bfloat16, f8e4m3, "
+                  ": expected int8, uint8, int32, uint32, int64, uint64, half, float, double, bfloat16, "
+                  "f8e4m3, "
                   "f8e5m2 or all");
            o.types.push_back(*t);
          }
@@ -148,7 +155,8 @@ std::vector<Spec> specs() {
       // crossbar's own, long only.
       {0, "mem", true,
        [](Options& o, const std::string& v, const std::string& w) {
-         if (v != "host" && v != "cuda") fail("invalid value '" + v + "' for " + w + ": expected host or cuda");
+         if (v != "host" && v != "cuda")
+           fail("invalid value '" + v + "' for " + w + ": expected host or cuda");
          o.mem = v;
        }},
       {0, "algo", true, [](Options& o, const std::string& v, const std::string&) { o.algo = v; }},
@@ -287,14 +295,16 @@ std::string formatTime(double usec) {
 std::string tableHeader(bool cputime) {
   const char* t = cputime ? "cputime" : "time";
   char buf[1024];
-  int len = std::snprintf(buf, sizeof buf,
-                          "# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place          \n",
-                          "", "", "", "", "");
+  int len = std::snprintf(
+      buf, sizeof buf,
+      "# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place          \n", "", "",
+      "", "", "");
   len += std::snprintf(buf + len, sizeof buf - len,
                        "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s %6s  %7s  %6s  %6s %6s\n", "size", "count",
                        "type", "redop", "root", t, "algbw", "busbw", "#wrong", t, "algbw", "busbw", "#wrong");
-  std::snprintf(buf + len, sizeof buf - len, "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %5s  %7s  %6s  %6s  %5s\n",
-                "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
+  std::snprintf(buf + len, sizeof buf - len,
+                "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %5s  %7s  %6s  %6s  %5s\n", "(B)", "(elements)",
+                "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
   return buf;
 }
 

@@ -6,4 +6,6 @@
 #error "CROSSBAR_PERF_COLL must name the collective"
 #endif
 
-int main(int argc, char** argv) { return crossbar::perf::perfMain(CROSSBAR_PERF_COLL, argc, argv); }
+int main(int argc, char** argv) {
+  return crossbar::perf::perfMain(CROSSBAR_PERF_COLL, argc, argv);
+}

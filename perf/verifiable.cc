@@ -163,7 +163,9 @@ size_t countWrongReduce(const Gen& g, double scalar, size_t first, size_t count,
 
 }  // namespace
 
-double premulScalar() { return 2.0; }
+double premulScalar() {
+  return 2.0;
+}
 
 void fillInput(const DataSpec& s, int rank, size_t first, size_t count, void* dst) {
   Gen g(s);

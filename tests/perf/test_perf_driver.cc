@@ -51,10 +51,52 @@ TEST(PerfOptions, DefaultsMatchNcclTests) {
 }
 
 TEST(PerfOptions, ShortLongAndAttachedForms) {
-  Options o = parse({"-b", "8", "-e64M", "--stepfactor", "4", "--iters=5", "-w", "0", "-m", "2", "-N", "3",
-                     "-c", "0", "-o", "max", "-d", "half", "-r", "1", "-z", "1", "-T", "30", "-a", "3",
-                     "-G", "2", "-R", "1", "-x", "1", "-I", "1", "-J", "out.json", "--mem", "host", "--algo",
-                     "ring", "--ranks-per-node", "2", "--json", "x.jsonl", "--nranks", "4"});
+  Options o = parse({"-b",
+                     "8",
+                     "-e64M",
+                     "--stepfactor",
+                     "4",
+                     "--iters=5",
+                     "-w",
+                     "0",
+                     "-m",
+                     "2",
+                     "-N",
+                     "3",
+                     "-c",
+                     "0",
+                     "-o",
+                     "max",
+                     "-d",
+                     "half",
+                     "-r",
+                     "1",
+                     "-z",
+                     "1",
+                     "-T",
+                     "30",
+                     "-a",
+                     "3",
+                     "-G",
+                     "2",
+                     "-R",
+                     "1",
+                     "-x",
+                     "1",
+                     "-I",
+                     "1",
+                     "-J",
+                     "out.json",
+                     "--mem",
+                     "host",
+                     "--algo",
+                     "ring",
+                     "--ranks-per-node",
+                     "2",
+                     "--json",
+                     "x.jsonl",
+                     "--nranks",
+                     "4"});
   EXPECT_EQ(o.min_bytes, 8u);
   EXPECT_EQ(o.max_bytes, 64u << 20);
   EXPECT_EQ(o.step_factor, 4u);
@@ -78,9 +120,10 @@ TEST(PerfOptions, ShortLongAndAttachedForms) {
   EXPECT_EQ(o.ranks_per_node, 2);
   EXPECT_EQ(o.json_lines, "x.jsonl");
   EXPECT_EQ(o.nranks, 4);
-  Options l = parse({"--minbytes", "1K", "--maxbytes", "2G", "--warmup_iters", "3", "--agg_iters", "4",
-                     "--run_cycles", "0", "--check", "2", "--op", "mulsum", "--datatype", "bfloat16",
-                     "--root", "all", "--blocking", "0", "--average", "0", "--timeout", "5"});
+  Options l =
+      parse({"--minbytes",   "1K",  "--maxbytes", "2G", "--warmup_iters", "3",      "--agg_iters", "4",
+             "--run_cycles", "0",   "--check",    "2",  "--op",           "mulsum", "--datatype",  "bfloat16",
+             "--root",       "all", "--blocking", "0",  "--average",      "0",      "--timeout",   "5"});
   EXPECT_EQ(l.min_bytes, 1024u);
   EXPECT_EQ(l.max_bytes, size_t{2} << 30);
   EXPECT_EQ(l.warmup_iters, 3);
@@ -141,12 +184,14 @@ TEST(PerfTable, HeaderMatchesNcclTestsLayout) {
   EXPECT_EQ(lines[0].substr(0, 2), "# ");
   EXPECT_NE(lines[0].find("out-of-place"), std::string::npos);
   EXPECT_NE(lines[0].find("in-place"), std::string::npos);
-  EXPECT_EQ(lines[1],
-            "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw"
-            "   busbw #wrong");
-  EXPECT_EQ(lines[2],
-            "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)"
-            "  (GB/s)       ");
+  EXPECT_EQ(
+      lines[1],
+      "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw"
+      "   busbw #wrong");
+  EXPECT_EQ(
+      lines[2],
+      "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)"
+      "  (GB/s)       ");
   EXPECT_NE(tableHeader(true).find("cputime"), std::string::npos);
 }
 
@@ -155,9 +200,10 @@ TEST(PerfTable, RowParsesWithNcclTestsRegex) {
                     rowColumns(12345.6, 0.01, 0.02, -1);
   // The column layout nccl-tests prints: %12li  %12li  %8s  %6s  %6s, then per placement
   // "  %7s  %6.2f  %6.2f  %5g".
-  EXPECT_EQ(row,
-            "     1048576        262144     float     sum      -1    123.5    8.50   12.75      0    12346    0.01"
-            "    0.02    N/A");
+  EXPECT_EQ(
+      row,
+      "     1048576        262144     float     sum      -1    123.5    8.50   12.75      0    12346    0.01"
+      "    0.02    N/A");
   std::regex re(
       R"(^\s*(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(-?\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s*$)");
   std::smatch m;
@@ -316,7 +362,7 @@ TEST(PerfVerifiable, DataMovementIsRankAndIndexSpecific) {
   std::vector<float> a(1024), b(1024);
   fillInput(s, 1, 100, a.size(), a.data());
   EXPECT_EQ(countWrong(s, 1, 100, a.size(), a.data()), 0u);
-  EXPECT_EQ(countWrong(s, 2, 100, a.size(), a.data()), a.size());  // another rank's data: all wrong
+  EXPECT_EQ(countWrong(s, 2, 100, a.size(), a.data()), a.size());      // another rank's data: all wrong
   EXPECT_GT(countWrong(s, 1, 101, a.size(), a.data()), a.size() - 4);  // shifted by one element
   fillInput(s, 1, 0, b.size(), b.data());
   // Element i depends on (seed, rank, i) only, not on where a fill starts.
