@@ -129,20 +129,22 @@ void CopyEngine::Completion::wait(Deadline deadline) const {
   if (!batch_) return;
   std::unique_lock<std::mutex> lock(batch_->mutex);
   if (!batch_->cv.wait_until(lock, deadline.at(), [&] { return batch_->remaining == 0; })) {
-    throw Timeout(fmt::format("{}{} of the batch's chunks ({} bytes in all) are still not copied at the "
-                              "deadline; the workers may be overloaded (CROSSBAR_COPY_ENGINE_THREADS) or "
-                              "blocked behind a fence",
-                              errorContext(-1, "copy engine wait"), batch_->remaining, batch_->total_bytes));
+    throw Timeout(
+        fmt::format("{}{} of the batch's chunks ({} bytes in all) are still not copied at the "
+                    "deadline; the workers may be overloaded (CROSSBAR_COPY_ENGINE_THREADS) or "
+                    "blocked behind a fence",
+                    errorContext(-1, "copy engine wait"), batch_->remaining, batch_->total_bytes));
   }
 }
 
 CopyEngine::CopyEngine(CopyEngineOptions options) {
-  int threads = options.threads != -1 ? options.threads
-                                     : static_cast<int>(env::getInt("CROSSBAR_COPY_ENGINE_THREADS"));
+  int threads =
+      options.threads != -1 ? options.threads : static_cast<int>(env::getInt("CROSSBAR_COPY_ENGINE_THREADS"));
   if (threads < 0 || threads > 256)
     throw InvalidArgument(fmt::format("{}{} worker threads asked; use 0 (copy inline) to 256",
                                       errorContext(-1, "copy engine"), threads));
-  nt_threshold_ = options.nt_threshold >= 0 ? static_cast<size_t>(options.nt_threshold) : defaultNtThreshold();
+  nt_threshold_ =
+      options.nt_threshold >= 0 ? static_cast<size_t>(options.nt_threshold) : defaultNtThreshold();
   chunk_bytes_ = std::max<size_t>(options.chunk_bytes, 64 << 10);
   std::vector<int> cpus = options.pin_to_caller_node ? cpusOfCurrentNode() : std::vector<int>{};
   for (int i = 0; i < threads; ++i) {
@@ -184,7 +186,8 @@ CopyEngine::Completion CopyEngine::submit(const std::vector<CopyOp>& copies) {
     for (size_t off = 0; off < op.bytes || (off == 0 && op.bytes == 0); off += chunk_bytes_) {
       if (op.bytes == 0) break;
       size_t n = std::min(chunk_bytes_, op.bytes - off);
-      chunks.push_back(Chunk{batch, {static_cast<const char*>(op.src) + off, static_cast<char*>(op.dst) + off, n}});
+      chunks.push_back(
+          Chunk{batch, {static_cast<const char*>(op.src) + off, static_cast<char*>(op.dst) + off, n}});
     }
   }
   if (chunks.empty()) return Completion(batch);
@@ -221,7 +224,9 @@ void CopyEngine::synchronize(Deadline deadline) {
   }
 }
 
-void CopyEngine::runChunk(const Chunk& c) { copyBytes(c.op.dst, c.op.src, c.op.bytes, nt_threshold_); }
+void CopyEngine::runChunk(const Chunk& c) {
+  copyBytes(c.op.dst, c.op.src, c.op.bytes, nt_threshold_);
+}
 
 void CopyEngine::workerLoop() {
   std::unique_lock<std::mutex> lock(mutex_);

@@ -42,9 +42,9 @@ void copyBytesNonTemporal(void* dst, const void* src, size_t bytes);
 size_t defaultNtThreshold();
 
 struct CopyEngineOptions {
-  int threads = -1;               // -1: CROSSBAR_COPY_ENGINE_THREADS; 0: copies run inside submit()
-  int64_t nt_threshold = -1;      // bytes; -1: CROSSBAR_COPY_ENGINE_NT_THRESHOLD
-  size_t chunk_bytes = 4u << 20;  // copies are split into chunks of this size across workers
+  int threads = -1;                 // -1: CROSSBAR_COPY_ENGINE_THREADS; 0: copies run inside submit()
+  int64_t nt_threshold = -1;        // bytes; -1: CROSSBAR_COPY_ENGINE_NT_THRESHOLD
+  size_t chunk_bytes = 4u << 20;    // copies are split into chunks of this size across workers
   bool pin_to_caller_node = false;  // run the workers on the CPUs of the creating thread's NUMA node
 };
 
@@ -87,8 +87,8 @@ class CopyEngine {
   struct Chunk {
     std::shared_ptr<Batch> batch;
     CopyOp op;
-    uint64_t seq = 0;            // position in submission order
-    uint64_t wait_for = 0;       // chunks with seq < wait_for must be done first (fence)
+    uint64_t seq = 0;       // position in submission order
+    uint64_t wait_for = 0;  // chunks with seq < wait_for must be done first (fence)
   };
   void workerLoop();
   void runChunk(const Chunk& c);
@@ -100,8 +100,8 @@ class CopyEngine {
   std::condition_variable done_cv_;
   std::deque<Chunk> queue_;
   uint64_t next_seq_ = 0;
-  uint64_t fence_seq_ = 0;    // seq every newly queued chunk waits for
-  uint64_t done_below_ = 0;   // every chunk with seq < done_below_ is done
+  uint64_t fence_seq_ = 0;        // seq every newly queued chunk waits for
+  uint64_t done_below_ = 0;       // every chunk with seq < done_below_ is done
   std::deque<bool> done_window_;  // done flags of seq >= done_below_ (out-of-order completion)
   bool stopping_ = false;
   std::shared_ptr<Batch> last_batch_;

@@ -2,8 +2,8 @@
 // has no name in any file system, so a crashed process leaves nothing behind, and
 // a mapping keeps the memory alive after the owner unmapped it or died (peers that
 // still map a freed buffer never fault). Segments are sealed against shrinking.
-#include <fmt/format.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -30,7 +30,8 @@ void preferLocalNode(void* p, size_t bytes) {
   if (syscall(SYS_getcpu, &cpu, &node, nullptr) != 0 || node >= 64) return;
   unsigned long mask = 1ul << node;
   if (syscall(SYS_mbind, p, bytes, kMpolPreferred, &mask, 64ul, 0u) != 0)
-    CB_TRACE("symmem", "mbind to NUMA node {} failed ({}); relying on first touch", node, std::strerror(errno));
+    CB_TRACE("symmem", "mbind to NUMA node {} failed ({}); relying on first touch", node,
+             std::strerror(errno));
 }
 
 class HostSegment : public Segment {

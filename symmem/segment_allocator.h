@@ -54,8 +54,7 @@ class SegmentAllocator {
   virtual std::unique_ptr<Segment> allocate(const SegmentRequest& request) = 0;
   // Maps a local peer's segment from the fd it exported (not consumed: the caller
   // closes it) and the info bytes that came with it.
-  virtual std::unique_ptr<Segment> import(int fd, std::span<const uint8_t> info, size_t bytes,
-                                          int rank) = 0;
+  virtual std::unique_ptr<Segment> import(int fd, std::span<const uint8_t> info, size_t bytes, int rank) = 0;
 };
 
 struct HostSegmentOptions {

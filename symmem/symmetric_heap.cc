@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <linux/futex.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <ucp/api/ucp.h>
@@ -41,16 +42,23 @@ static_assert(sizeof(PadSlot) == 16);
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 
 // Low 32 bits of the counter (x86-64 is little-endian): the futex word.
-uint32_t* futexWord(PadSlot* s) { return reinterpret_cast<uint32_t*>(&s->value); }
+uint32_t* futexWord(PadSlot* s) {
+  return reinterpret_cast<uint32_t*>(&s->value);
+}
 
 // Shared (not FUTEX_PRIVATE) futexes: the slot lives in memory mapped by two processes.
 void futexWait(PadSlot* s, uint32_t expected, Millis timeout) {
-  timespec ts{static_cast<time_t>(timeout.count() / 1000), static_cast<long>(timeout.count() % 1000) * 1000000};
+  timespec ts{static_cast<time_t>(timeout.count() / 1000),
+              static_cast<long>(timeout.count() % 1000) * 1000000};
   syscall(SYS_futex, futexWord(s), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
-void futexWake(PadSlot* s) { syscall(SYS_futex, futexWord(s), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0); }
+void futexWake(PadSlot* s) {
+  syscall(SYS_futex, futexWord(s), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
 
-size_t roundUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+size_t roundUp(size_t v, size_t a) {
+  return (v + a - 1) / a * a;
+}
 
 struct AllocHeader {
   uint32_t magic;
@@ -64,6 +72,23 @@ struct AllocHeader {
 int spinMicros() {
   static const int us = static_cast<int>(env::getInt("CROSSBAR_SPIN_US"));
   return us;
+}
+
+// Blocking on a UCX worker: its event fd is not reliably signaled for software-
+// emulated RMA (measured: ~1 ms per hop), so after the spin we yield for a while
+// (low latency when the peer answers soon) and only then nap on the fd in 1 ms polls.
+const Millis kYieldPhase{2};
+void napOnWorker(ucx::UcxContext& ctx, Clock::time_point yield_until, Deadline deadline) {
+  if (Clock::now() < yield_until) {
+    sched_yield();
+    return;
+  }
+  bool armed;
+  {
+    std::lock_guard<std::recursive_mutex> lock(ctx.mutex());
+    armed = ctx.arm();
+  }
+  if (armed) pollOne(ctx.efd(), POLLIN, deadline.min(Deadline::after(Millis(1))));
 }
 
 // A UCX request: wait for it (progressing the worker), with a deadline.
@@ -92,14 +117,7 @@ void waitUcx(ucx::UcxContext& ctx, void* request, Deadline deadline, const std::
                                 what()),
                     {peer});
     }
-    if (Clock::now() > spin_until) {
-      bool armed;
-      {
-        std::lock_guard<std::recursive_mutex> lock(ctx.mutex());
-        armed = ctx.arm();
-      }
-      if (armed) pollOne(ctx.efd(), POLLIN, deadline.min(Deadline::after(Millis(1))));
-    }
+    if (Clock::now() > spin_until) napOnWorker(ctx, spin_until + kYieldPhase, deadline);
     (void)rank;
   }
 }
@@ -129,13 +147,13 @@ struct HeapImpl {
   uint64_t id = 0;
   std::string name;
   Millis timeout{0};
-  std::vector<int> node_of;         // by rank
-  std::vector<std::string> hosts;   // by rank
-  std::vector<int> local_peers;     // other ranks on this node
-  std::vector<UnixConn> conns;      // by rank; local peers only
+  std::vector<int> node_of;                           // by rank
+  std::vector<std::string> hosts;                     // by rank
+  std::vector<int> local_peers;                       // other ranks on this node
+  std::vector<UnixConn> conns;                        // by rank; local peers only
   std::vector<std::shared_ptr<ucx::UcxContext>> ucx;  // by rank; off-node peers with a UCX route
-  std::vector<int> world;           // communicator rank -> context rank (UCX endpoints)
-  std::vector<std::string> no_route;  // by rank: why an off-node peer is unreachable ("" if fine)
+  std::vector<int> world;                             // communicator rank -> context rank (UCX endpoints)
+  std::vector<std::string> no_route;         // by rank: why an off-node peer is unreachable ("" if fine)
   std::shared_ptr<ucx::UcxContext> any_ucx;  // the (shared) context, if any
   std::shared_ptr<Store> store;
   std::shared_ptr<SegmentAllocator> allocator;
@@ -144,7 +162,9 @@ struct HeapImpl {
 
   bool isLocal(int r) const { return node_of[r] == node_of[rank]; }
   std::string peerText(int r) const { return fmt::format("rank {} (host {})", r, hosts[r]); }
-  std::string ctx(std::string_view op) const { return errorContext(rank, fmt::format("symmem {} {}", name, op)); }
+  std::string ctx(std::string_view op) const {
+    return errorContext(rank, fmt::format("symmem {} {}", name, op));
+  }
   bool hasRemote() const {
     for (int r = 0; r < size; ++r)
       if (ucx[r]) return true;
@@ -168,10 +188,13 @@ SymmetricHeap SymmetricHeap::create(std::shared_ptr<Communicator> comm, HeapOpti
   h->size = comm->size();
   h->name = options.name;
   h->timeout = comm->timeout();
-  h->channels = options.channels >= 0 ? options.channels : static_cast<int>(env::getInt("CROSSBAR_SYMMEM_CHANNELS"));
+  h->channels =
+      options.channels >= 0 ? options.channels : static_cast<int>(env::getInt("CROSSBAR_SYMMEM_CHANNELS"));
   if (h->channels < 1 || h->channels > 4096)
-    throw InvalidArgument(h->ctx("create") + fmt::format("{} signal channels asked; use 1 to 4096", h->channels));
-  h->allocator = options.allocator ? options.allocator : std::shared_ptr<SegmentAllocator>(makeHostSegmentAllocator());
+    throw InvalidArgument(h->ctx("create") +
+                          fmt::format("{} signal channels asked; use 1 to 4096", h->channels));
+  h->allocator =
+      options.allocator ? options.allocator : std::shared_ptr<SegmentAllocator>(makeHostSegmentAllocator());
   h->store = comm->storePtr();
   for (int r = 0; r < h->size; ++r) {
     h->node_of.push_back(comm->nodeOf(r));
@@ -179,7 +202,8 @@ SymmetricHeap SymmetricHeap::create(std::shared_ptr<Communicator> comm, HeapOpti
     h->world.push_back(comm->worldRank(r));
   }
   h->local_peers = comm->nodePeers(h->rank);
-  h->local_peers.erase(std::remove(h->local_peers.begin(), h->local_peers.end(), h->rank), h->local_peers.end());
+  h->local_peers.erase(std::remove(h->local_peers.begin(), h->local_peers.end(), h->rank),
+                       h->local_peers.end());
   const Deadline deadline = comm->defaultDeadline();
   // Heap number: every rank's arrival lands in the same window of `size` because the
   // creation ends in a barrier (no rank starts heap k+1 before all arrived at k).
@@ -197,11 +221,13 @@ SymmetricHeap SymmetricHeap::create(std::shared_ptr<Communicator> comm, HeapOpti
       h->ucx[r] = u;
       h->any_ucx = u;
     } else {
-      h->no_route[r] = !options.remote_access ? "remote access is disabled for this heap (HeapOptions)"
-                       : !u ? fmt::format("it is reached over the '{}' transport, and remote symmetric memory "
-                                          "needs UCX (CROSSBAR_TRANSPORT=auto or ucx)",
-                                          t.name())
-                            : fmt::format("the '{}' backend's memory is not host accessible", h->allocator->name());
+      h->no_route[r] =
+          !options.remote_access ? "remote access is disabled for this heap (HeapOptions)"
+          : !u                   ? fmt::format(
+                                       "it is reached over the '{}' transport, and remote symmetric memory "
+                                                         "needs UCX (CROSSBAR_TRANSPORT=auto or ucx)",
+                                       t.name())
+               : fmt::format("the '{}' backend's memory is not host accessible", h->allocator->name());
     }
   }
 
@@ -240,19 +266,30 @@ SymmetricHeap SymmetricHeap::create(std::shared_ptr<Communicator> comm, HeapOpti
     }
   }
   comm->barrier(deadline);
-  CB_INFO("symmem", "heap '{}' #{}: {} local peers, {} remote via UCX, {} channels, backend {}", h->name, h->id,
-          h->local_peers.size(), std::count_if(h->ucx.begin(), h->ucx.end(), [](auto& u) { return !!u; }),
-          h->channels, h->allocator->name());
+  CB_INFO("symmem", "heap '{}' #{}: {} local peers, {} remote via UCX, {} channels, backend {}", h->name,
+          h->id, h->local_peers.size(),
+          std::count_if(h->ucx.begin(), h->ucx.end(), [](auto& u) { return !!u; }), h->channels,
+          h->allocator->name());
   SymmetricHeap heap;
   heap.impl_ = std::move(h);
   return heap;
 }
 
-int SymmetricHeap::rank() const { return impl_->rank; }
-int SymmetricHeap::size() const { return impl_->size; }
-int SymmetricHeap::channels() const { return impl_->channels; }
-uint64_t SymmetricHeap::id() const { return impl_->id; }
-const SegmentAllocator& SymmetricHeap::allocator() const { return *impl_->allocator; }
+int SymmetricHeap::rank() const {
+  return impl_->rank;
+}
+int SymmetricHeap::size() const {
+  return impl_->size;
+}
+int SymmetricHeap::channels() const {
+  return impl_->channels;
+}
+uint64_t SymmetricHeap::id() const {
+  return impl_->id;
+}
+const SegmentAllocator& SymmetricHeap::allocator() const {
+  return *impl_->allocator;
+}
 
 std::shared_ptr<SymmetricBuffer> SymmetricHeap::allocate(size_t bytes) {
   if (!impl_) throw InvalidUsage(errorContext(-1, "symmem allocate") + "the heap was not created");
@@ -302,10 +339,11 @@ std::shared_ptr<SymmetricBuffer> HeapImpl::allocate(std::shared_ptr<HeapImpl> se
       try {
         m = conns[p].recv(deadline);
       } catch (const Timeout&) {
-        throw Timeout(ctx(op) + fmt::format("{} did not allocate buffer #{}; every rank must allocate the same "
-                                            "sizes in the same order",
-                                            peerText(p), bid),
-                      {p});
+        throw Timeout(
+            ctx(op) + fmt::format("{} did not allocate buffer #{}; every rank must allocate the same "
+                                  "sizes in the same order",
+                                  peerText(p), bid),
+            {p});
       } catch (const PeerFailure&) {
         throw PeerFailure(ctx(op) + fmt::format("{} hung up (it exited or crashed)", peerText(p)), {p});
       }
@@ -315,10 +353,11 @@ std::shared_ptr<SymmetricBuffer> HeapImpl::allocate(std::shared_ptr<HeapImpl> se
       std::memcpy(&theirs, m.bytes.data(), sizeof(theirs));
       if (theirs.magic != kAllocMagic || theirs.heap_id != id || theirs.buffer_id != bid ||
           theirs.requested != bytes || m.bytes.size() != sizeof(theirs) + theirs.info_bytes) {
-        throw InvalidUsage(ctx(op) + fmt::format("{} allocated {} bytes as buffer #{} of heap #{}; ranks must "
-                                                 "allocate the same sizes in the same order",
-                                                 peerText(p), theirs.requested, theirs.buffer_id, theirs.heap_id),
-                           {p});
+        throw InvalidUsage(
+            ctx(op) + fmt::format("{} allocated {} bytes as buffer #{} of heap #{}; ranks must "
+                                  "allocate the same sizes in the same order",
+                                  peerText(p), theirs.requested, theirs.buffer_id, theirs.heap_id),
+            {p});
       }
       b->mapped_[p] = allocator->import(m.fds[0].get(), {m.bytes.data() + sizeof(theirs), theirs.info_bytes},
                                         theirs.segment_bytes, rank);
@@ -368,17 +407,18 @@ std::shared_ptr<SymmetricBuffer> HeapImpl::allocate(std::shared_ptr<HeapImpl> se
       std::memcpy(&r->base, theirs.data(), 8);
       std::memcpy(&r->bytes, theirs.data() + 8, 8);
       if (r->bytes != b->own_->size())
-        throw InvalidUsage(ctx(op) + fmt::format("{} has a {}-byte segment for buffer #{}, this rank {}; ranks "
-                                                 "must allocate the same sizes in the same order",
-                                                 peerText(p), r->bytes, bid, b->own_->size()),
-                           {p});
+        throw InvalidUsage(
+            ctx(op) + fmt::format("{} has a {}-byte segment for buffer #{}, this rank {}; ranks "
+                                  "must allocate the same sizes in the same order",
+                                  peerText(p), r->bytes, bid, b->own_->size()),
+            {p});
       std::lock_guard<std::recursive_mutex> ul(r->ctx->mutex());
       r->ep = r->ctx->ep(world[p]);
       if (!r->ep) throw PeerFailure(ctx(op) + fmt::format("no UCX endpoint to {}", peerText(p)), {p});
       ucs_status_t st = ucp_ep_rkey_unpack(r->ep, theirs.data() + 16, &r->rkey);
       if (st != UCS_OK)
-        throw UcxError(ctx(op) + fmt::format("ucp_ep_rkey_unpack for {}: {}", peerText(p), ucx::statusText(st)),
-                       {p});
+        throw UcxError(
+            ctx(op) + fmt::format("ucp_ep_rkey_unpack for {}: {}", peerText(p), ucx::statusText(st)), {p});
       b->remote_[p] = std::move(r);
     }
   }
@@ -400,15 +440,14 @@ SymmetricBuffer::~SymmetricBuffer() {
 }
 
 void SymmetricBuffer::checkUsable(const char* op) const {
-  if (freed_)
-    throw InvalidUsage(heap_->ctx(op) + fmt::format("buffer #{} was already freed", id_));
+  if (freed_) throw InvalidUsage(heap_->ctx(op) + fmt::format("buffer #{} was already freed", id_));
 }
 
 void SymmetricBuffer::checkPeer(int peer, const char* op) const {
   checkUsable(op);
   if (peer < 0 || peer >= size_)
-    throw InvalidArgument(heap_->ctx(op) + fmt::format("peer {} is not a rank of this {}-rank communicator",
-                                                       peer, size_));
+    throw InvalidArgument(heap_->ctx(op) +
+                          fmt::format("peer {} is not a rank of this {}-rank communicator", peer, size_));
   if (!ptrs_[peer] && !remote_[peer])
     throw Unsupported(heap_->ctx(op) + fmt::format("{} is on another node and {}", heap_->peerText(peer),
                                                    heap_->no_route[peer]),
@@ -418,8 +457,9 @@ void SymmetricBuffer::checkPeer(int peer, const char* op) const {
 void SymmetricBuffer::checkRange(int peer, size_t offset, size_t bytes, const char* op) const {
   checkPeer(peer, op);
   if (offset > bytes_ || bytes > bytes_ - offset)
-    throw InvalidArgument(heap_->ctx(op) + fmt::format("[{}, {}+{}) is outside the {}-byte buffer #{} (peer {})",
-                                                       offset, offset, bytes, bytes_, id_, peer));
+    throw InvalidArgument(heap_->ctx(op) +
+                          fmt::format("[{}, {}+{}) is outside the {}-byte buffer #{} (peer {})", offset,
+                                      offset, bytes, bytes_, id_, peer));
 }
 
 void SymmetricBuffer::checkChannel(int channel, const char* op) const {
@@ -430,7 +470,8 @@ void SymmetricBuffer::checkChannel(int channel, const char* op) const {
 }
 
 std::string SymmetricBuffer::describeChannel(int channel) const {
-  return channel == channels_ ? std::string("the internal free() channel") : fmt::format("channel {}", channel);
+  return channel == channels_ ? std::string("the internal free() channel")
+                              : fmt::format("channel {}", channel);
 }
 
 void* SymmetricBuffer::peerPtr(int rank) const {
@@ -438,14 +479,17 @@ void* SymmetricBuffer::peerPtr(int rank) const {
   return ptrs_[rank];
 }
 
-bool SymmetricBuffer::isLocalPeer(int rank) const { return rank >= 0 && rank < size_ && ptrs_[rank]; }
+bool SymmetricBuffer::isLocalPeer(int rank) const {
+  return rank >= 0 && rank < size_ && ptrs_[rank];
+}
 
 size_t SymmetricBuffer::offsetOf(const void* ptr) const {
   auto p = static_cast<const char*>(ptr), base = static_cast<const char*>(local_);
   if (p < base || p > base + bytes_)
-    throw InvalidArgument(heap_->ctx("offsetOf") + fmt::format("{} is not inside this rank's buffer #{} ({} bytes "
-                                                               "at {})",
-                                                               ptr, id_, bytes_, local_));
+    throw InvalidArgument(heap_->ctx("offsetOf") +
+                          fmt::format("{} is not inside this rank's buffer #{} ({} bytes "
+                                      "at {})",
+                                      ptr, id_, bytes_, local_));
   return static_cast<size_t>(p - base);
 }
 
@@ -491,7 +535,8 @@ void SymmetricBuffer::putSignal(int peer, int channel) {
 uint64_t SymmetricBuffer::signalValue(int peer, int channel) const {
   checkUsable("signalValue");
   checkChannel(channel, "signalValue");
-  return padOf(local_, pad_offset_)[static_cast<size_t>(channel) * size_ + peer].value.load(std::memory_order_acquire);
+  return padOf(local_, pad_offset_)[static_cast<size_t>(channel) * size_ + peer].value.load(
+      std::memory_order_acquire);
 }
 
 void SymmetricBuffer::waitSlot(int peer, size_t slot_index, uint64_t value, int channel, Deadline deadline,
@@ -511,12 +556,13 @@ void SymmetricBuffer::waitSlot(int peer, size_t slot_index, uint64_t value, int 
   auto next_check = Clock::now() + kSleepSlice;
   while (!reached()) {
     if (deadline.expired()) {
-      throw Timeout(heap_->ctx(op) + fmt::format("{} did not signal {} of buffer #{} within the deadline "
-                                                 "(counter {}, waiting for {}); check that it calls the matching "
-                                                 "putSignal / barrier with the same channel",
-                                                 heap_->peerText(peer), describeChannel(channel), id_,
-                                                 s->value.load(), value),
-                    {peer});
+      throw Timeout(
+          heap_->ctx(op) + fmt::format("{} did not signal {} of buffer #{} within the deadline "
+                                       "(counter {}, waiting for {}); check that it calls the matching "
+                                       "putSignal / barrier with the same channel",
+                                       heap_->peerText(peer), describeChannel(channel), id_, s->value.load(),
+                                       value),
+          {peer});
     }
     if (u) {
       std::lock_guard<std::recursive_mutex> lock(u->mutex());
@@ -532,13 +578,7 @@ void SymmetricBuffer::waitSlot(int peer, size_t slot_index, uint64_t value, int 
       }
       s->waiters.fetch_sub(1, std::memory_order_seq_cst);
     } else if (u) {
-      bool armed;
-      {
-        std::lock_guard<std::recursive_mutex> lock(u->mutex());
-        armed = u->arm();
-      }
-      // Shared-memory UCX transports write without waking us: bounded naps only.
-      if (armed) pollOne(u->efd(), POLLIN, deadline.min(Deadline::after(Millis(1))));
+      napOnWorker(*u, spin_until + kYieldPhase, deadline);
     }
     if (Clock::now() >= next_check) {
       next_check = Clock::now() + kSleepSlice;
@@ -548,12 +588,13 @@ void SymmetricBuffer::waitSlot(int peer, size_t slot_index, uint64_t value, int 
                                                        heap_->peerText(peer), describeChannel(channel), id_),
                           {peer});
       if (!local && heap_->ucx[peer] && heap_->ucx[peer]->peerStatus(heap_->world[peer]) != UCS_OK)
-        throw PeerFailure(heap_->ctx(op) + fmt::format("UCX reported {} failed ({}) while this rank waited for "
-                                                       "its signal on {}",
-                                                       heap_->peerText(peer),
-                                                       ucx::statusText(heap_->ucx[peer]->peerStatus(heap_->world[peer])),
-                                                       describeChannel(channel)),
-                          {peer});
+        throw PeerFailure(
+            heap_->ctx(op) + fmt::format("UCX reported {} failed ({}) while this rank waited for "
+                                         "its signal on {}",
+                                         heap_->peerText(peer),
+                                         ucx::statusText(heap_->ucx[peer]->peerStatus(heap_->world[peer])),
+                                         describeChannel(channel)),
+            {peer});
     }
   }
 }
@@ -605,9 +646,12 @@ void SymmetricBuffer::put(int peer, size_t dst_offset, const void* src, size_t b
     req = ucp_put_nbx(r.ep, src, bytes, r.base + dst_offset, r.rkey, &param);
   }
   dirty_[peer] = true;
-  waitUcx(*r.ctx, req, Deadline::after(heap_->timeout),
-          [&] { return heap_->ctx("put") + fmt::format("UCX put of {} bytes to {}: ", bytes, heap_->peerText(peer)); },
-          rank_, peer);
+  waitUcx(
+      *r.ctx, req, Deadline::after(heap_->timeout),
+      [&] {
+        return heap_->ctx("put") + fmt::format("UCX put of {} bytes to {}: ", bytes, heap_->peerText(peer));
+      },
+      rank_, peer);
 }
 
 void SymmetricBuffer::get(int peer, size_t src_offset, void* dst, size_t bytes) {
@@ -624,9 +668,12 @@ void SymmetricBuffer::get(int peer, size_t src_offset, void* dst, size_t bytes) 
     ucp_request_param_t param{};
     req = ucp_get_nbx(r.ep, dst, bytes, r.base + src_offset, r.rkey, &param);
   }
-  waitUcx(*r.ctx, req, Deadline::after(heap_->timeout),
-          [&] { return heap_->ctx("get") + fmt::format("UCX get of {} bytes from {}: ", bytes, heap_->peerText(peer)); },
-          rank_, peer);
+  waitUcx(
+      *r.ctx, req, Deadline::after(heap_->timeout),
+      [&] {
+        return heap_->ctx("get") + fmt::format("UCX get of {} bytes from {}: ", bytes, heap_->peerText(peer));
+      },
+      rank_, peer);
 }
 
 void SymmetricBuffer::putWithSignal(int peer, size_t dst_offset, const void* src, size_t bytes, int channel) {
@@ -635,7 +682,9 @@ void SymmetricBuffer::putWithSignal(int peer, size_t dst_offset, const void* src
   signalTo(peer, static_cast<size_t>(channel) * size_ + peer, "putWithSignal");
 }
 
-void SymmetricBuffer::quiet() { quiet(Deadline::after(heap_->timeout)); }
+void SymmetricBuffer::quiet() {
+  quiet(Deadline::after(heap_->timeout));
+}
 
 void SymmetricBuffer::quiet(Deadline deadline) {
   checkUsable("quiet");
@@ -653,13 +702,17 @@ void SymmetricBuffer::flushRemote(Deadline deadline) {
       ucp_request_param_t param{};
       req = ucp_ep_flush_nbx(r.ep, &param);
     }
-    waitUcx(*r.ctx, req, deadline,
-            [&] { return heap_->ctx("quiet") + fmt::format("flushing puts to {}: ", heap_->peerText(p)); }, rank_, p);
+    waitUcx(
+        *r.ctx, req, deadline,
+        [&] { return heap_->ctx("quiet") + fmt::format("flushing puts to {}: ", heap_->peerText(p)); }, rank_,
+        p);
     dirty_[p] = false;
   }
 }
 
-void SymmetricBuffer::free() { free(Deadline::after(heap_->timeout)); }
+void SymmetricBuffer::free() {
+  free(Deadline::after(heap_->timeout));
+}
 
 void SymmetricBuffer::free(Deadline deadline) {
   checkUsable("free");

@@ -165,13 +165,13 @@ class SymmetricBuffer {
   size_t pad_offset_ = 0;
   void* local_ = nullptr;
   std::unique_ptr<Segment> own_;
-  std::vector<std::unique_ptr<Segment>> mapped_;  // by rank; local peers only
-  std::vector<char*> ptrs_;                       // by rank; nullptr off-node
+  std::vector<std::unique_ptr<Segment>> mapped_;               // by rank; local peers only
+  std::vector<char*> ptrs_;                                    // by rank; nullptr off-node
   std::vector<std::unique_ptr<detail::RemoteRegion>> remote_;  // by rank; off-node only
-  void* memh_ = nullptr;                          // ucp_mem_h of our segment
+  void* memh_ = nullptr;                                       // ucp_mem_h of our segment
   std::unique_ptr<std::atomic<uint64_t>[]> sent_;  // [slot]: signals we sent to each (channel, peer)
-  std::vector<uint64_t> consumed_;                // [slot]: signals waitSignal() took from each (channel, peer)
-  std::vector<bool> dirty_;                       // by rank: remote puts since the last quiet()
+  std::vector<uint64_t> consumed_;  // [slot]: signals waitSignal() took from each (channel, peer)
+  std::vector<bool> dirty_;         // by rank: remote puts since the last quiet()
   bool freed_ = false;
 };
 

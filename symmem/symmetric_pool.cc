@@ -32,19 +32,21 @@ PoolBlock SymmetricPool::allocate(size_t bytes, size_t alignment) {
     used_ += taken;
     return PoolBlock{aligned, bytes};
   }
-  throw PoolExhausted(errorContext(rank, "symmetric pool allocate") +
-                      fmt::format("no room for {} bytes (alignment {}) in the {}-byte pool: {} bytes in {} blocks, "
-                                  "largest free run {} bytes. Free blocks, or create a larger pool "
-                                  "(SymmetricPool::create(heap, bytes))",
-                                  bytes, alignment, capacity_, used_, live_.size(), largestFree()));
+  throw PoolExhausted(
+      errorContext(rank, "symmetric pool allocate") +
+      fmt::format("no room for {} bytes (alignment {}) in the {}-byte pool: {} bytes in {} blocks, "
+                  "largest free run {} bytes. Free blocks, or create a larger pool "
+                  "(SymmetricPool::create(heap, bytes))",
+                  bytes, alignment, capacity_, used_, live_.size(), largestFree()));
 }
 
 void SymmetricPool::free(const PoolBlock& block) {
   auto it = live_.find(block.offset);
   if (it == live_.end())
-    throw InvalidUsage(errorContext(buffer_->rank(), "symmetric pool free") +
-                       fmt::format("no live block at offset {} ({} bytes): freed twice, or not from this pool",
-                                   block.offset, block.bytes));
+    throw InvalidUsage(
+        errorContext(buffer_->rank(), "symmetric pool free") +
+        fmt::format("no live block at offset {} ({} bytes): freed twice, or not from this pool", block.offset,
+                    block.bytes));
   auto [start, len] = it->second;
   live_.erase(it);
   used_ -= len;

@@ -60,7 +60,7 @@ class SymmetricPool {
   SymmetricBuffer& buffer() const { return *buffer_; }
 
   size_t capacity() const { return capacity_; }
-  size_t used() const { return used_; }            // bytes in blocks, including alignment padding
+  size_t used() const { return used_; }  // bytes in blocks, including alignment padding
   size_t largestFree() const;
   size_t blocks() const { return live_.size(); }
   // Hash of the allocation state: equal on every rank that made the same calls.
@@ -70,7 +70,7 @@ class SymmetricPool {
   std::shared_ptr<SymmetricBuffer> buffer_;
   size_t capacity_ = 0;
   size_t used_ = 0;
-  std::map<size_t, size_t> free_;   // offset -> length, coalesced
+  std::map<size_t, size_t> free_;                     // offset -> length, coalesced
   std::map<size_t, std::pair<size_t, size_t>> live_;  // block offset -> (run start, run length)
 };
 

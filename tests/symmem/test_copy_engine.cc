@@ -12,12 +12,15 @@
 namespace crossbar::symm {
 namespace {
 
-uint8_t byteAt(uint64_t seed, size_t i) { return static_cast<uint8_t>((i * 131 + seed * 7 + (i >> 9)) & 0xff); }
+uint8_t byteAt(uint64_t seed, size_t i) {
+  return static_cast<uint8_t>((i * 131 + seed * 7 + (i >> 9)) & 0xff);
+}
 
 TEST(CopyBytes, NonTemporalOddSizesAndAlignments) {
   std::vector<uint8_t> src(1 << 16), dst((1 << 16) + 128);
   for (size_t i = 0; i < src.size(); ++i) src[i] = byteAt(1, i);
-  for (size_t bytes : {0ul, 1ul, 15ul, 31ul, 63ul, 64ul, 127ul, 128ul, 129ul, 1000ul, 4095ul, 4096ul, 40001ul}) {
+  for (size_t bytes :
+       {0ul, 1ul, 15ul, 31ul, 63ul, 64ul, 127ul, 128ul, 129ul, 1000ul, 4095ul, 4096ul, 40001ul}) {
     for (size_t soff : {0ul, 1ul, 7ul, 16ul, 33ul}) {
       for (size_t doff : {0ul, 3ul, 8ul, 31ul, 32ul}) {
         if (soff + bytes > src.size() || doff + bytes + 64 > dst.size()) continue;
@@ -47,8 +50,8 @@ class CopyEngineTest : public ::testing::TestWithParam<int> {};
 TEST_P(CopyEngineTest, BatchOfOddCopies) {
   CopyEngineOptions o;
   o.threads = GetParam();
-  o.nt_threshold = 4096;        // exercise both paths
-  o.chunk_bytes = 64 << 10;     // several chunks per large copy
+  o.nt_threshold = 4096;     // exercise both paths
+  o.chunk_bytes = 64 << 10;  // several chunks per large copy
   CopyEngine ce(o);
   EXPECT_EQ(ce.threads(), GetParam());
   std::mt19937_64 rng(42);
@@ -67,8 +70,7 @@ TEST_P(CopyEngineTest, BatchOfOddCopies) {
   auto done = ce.submit(ops);
   done.wait(Deadline::after(Millis(30'000)));
   EXPECT_TRUE(done.done());
-  for (const auto& op : ops)
-    ASSERT_EQ(std::memcmp(op.dst, op.src, op.bytes), 0) << op.bytes << " bytes";
+  for (const auto& op : ops) ASSERT_EQ(std::memcmp(op.dst, op.src, op.bytes), 0) << op.bytes << " bytes";
 }
 
 TEST_P(CopyEngineTest, FenceOrdersBatches) {
@@ -81,7 +83,7 @@ TEST_P(CopyEngineTest, FenceOrdersBatches) {
   for (int round = 0; round < 20; ++round) {
     for (size_t i = 0; i < n; i += 4093) a[i] = byteAt(round, i);
     ce.submit(a.data(), b.data(), n);
-    ce.fence();                                // b is complete before the next batch reads it
+    ce.fence();  // b is complete before the next batch reads it
     auto last = ce.submit(b.data(), c.data(), n);
     ce.fence();
     last.wait(Deadline::after(Millis(30'000)));

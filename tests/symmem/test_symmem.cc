@@ -25,7 +25,9 @@ using testing::RankEnv;
 using testing::RunOptions;
 using testing::runRanks;
 
-uint8_t patternByte(uint64_t seed, size_t i) { return static_cast<uint8_t>(i * 31 + (i >> 11) + seed * 101); }
+uint8_t patternByte(uint64_t seed, size_t i) {
+  return static_cast<uint8_t>(i * 31 + (i >> 11) + seed * 101);
+}
 void fill(uint8_t* p, size_t n, uint64_t seed) {
   for (size_t i = 0; i < n; ++i) p[i] = patternByte(seed, i);
 }
@@ -34,7 +36,9 @@ int64_t firstMismatch(const uint8_t* p, size_t n, uint64_t seed) {
     if (p[i] != patternByte(seed, i)) return static_cast<int64_t>(i);
   return -1;
 }
-Deadline soon(int ms = 60'000) { return Deadline::after(Millis(ms)); }
+Deadline soon(int ms = 60'000) {
+  return Deadline::after(Millis(ms));
+}
 
 // Lines of /proc/self/maps naming our segments, and our open fds.
 int symmMappings() {
@@ -70,7 +74,8 @@ TEST_P(OnNode, PeersSeeEachOthersWrites) {
     auto comm = env.communicator();
     auto heap = SymmetricHeap::create(comm);
     std::vector<std::shared_ptr<SymmetricBuffer>> bufs;
-    for (size_t bytes : {size_t{1}, size_t{4096}, size_t{100'000}, size_t{3} << 20}) bufs.push_back(heap.allocate(bytes));
+    for (size_t bytes : {size_t{1}, size_t{4096}, size_t{100'000}, size_t{3} << 20})
+      bufs.push_back(heap.allocate(bytes));
     for (auto& b : bufs) {
       ASSERT_NE(b->localPtr(), nullptr);
       EXPECT_EQ(b->peerPtr(comm->rank()), b->localPtr());
@@ -148,7 +153,8 @@ TEST(Signals, BarriersWithMoreRanksThanCores) {
       // Every rank writes its slot in every peer, then the barrier publishes it.
       for (int r = 0; r < 8; ++r) buf->peer<uint64_t>(r)[me] = i;
       buf->barrier(3, soon());
-      for (int r = 0; r < 8; ++r) ASSERT_EQ(buf->local<uint64_t>()[r], static_cast<uint64_t>(i)) << "round " << i;
+      for (int r = 0; r < 8; ++r)
+        ASSERT_EQ(buf->local<uint64_t>()[r], static_cast<uint64_t>(i)) << "round " << i;
       buf->barrier(4, soon());  // nobody writes round i+1 before everyone checked round i
     }
     double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -218,7 +224,7 @@ TEST(Lifetime, FreeWhilePeerStillMaps) {
       keep->waitSignal(0, 1, soon());
       uint8_t* theirs = buf->peer<uint8_t>(0);
       EXPECT_EQ(firstMismatch(theirs, 1 << 20, 0), -1);  // still readable and intact
-      std::memset(theirs, 0x5A, 1 << 20);                 // and writable: no SIGBUS
+      std::memset(theirs, 0x5A, 1 << 20);                // and writable: no SIGBUS
       buf->free();
       keep->putSignal(0, 1);
     }
