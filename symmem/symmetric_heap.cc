@@ -445,6 +445,11 @@ void SymmetricBuffer::checkUsable(const char* op) const {
 
 void SymmetricBuffer::checkPeer(int peer, const char* op) const {
   checkUsable(op);
+  if (!heap_->allocator->hostAccessible())
+    throw Unsupported(heap_->ctx(op) +
+                      fmt::format("the '{}' backend's memory is not CPU accessible: signal and "
+                                  "copy from device code or streams (its device handle)",
+                                  heap_->allocator->name()));
   if (peer < 0 || peer >= size_)
     throw InvalidArgument(heap_->ctx(op) +
                           fmt::format("peer {} is not a rank of this {}-rank communicator", peer, size_));
