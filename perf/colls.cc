@@ -1,6 +1,7 @@
 // The per-collective table: byte counts from a size, bus-bandwidth factor, run, check.
 // Byte counts and bandwidth formulas follow nccl-tests so the numbers compare directly.
 #include <cstring>
+#include <vector>
 
 #include "perf/driver.h"
 
@@ -92,10 +93,21 @@ WorkPtr runSendrecv(const RunArgs& a) {
     if (a.send != a.recv) std::memcpy(a.recv, a.send, a.count * elementSize(a.type));
     return a.coll->barrier(a.options);
   }
+  const size_t bytes = a.count * elementSize(a.type);
+  // In place (send == recv), the incoming message would overwrite data still being sent:
+  // receive into a staging buffer and copy once both are done (counted in the time).
+  static thread_local std::vector<char> staging;
+  const bool in_place = a.send == a.recv && bytes > 0;
+  if (in_place && staging.size() < bytes) staging.resize(bytes);
   a.coll->groupStart();
   a.coll->send(a.send, a.count, a.type, (r + 1) % n, kPerfTag, a.options);
-  a.coll->recv(a.recv, a.count, a.type, (r + n - 1) % n, kPerfTag, a.options);
-  return a.coll->groupEnd();
+  a.coll->recv(in_place ? staging.data() : a.recv, a.count, a.type, (r + n - 1) % n, kPerfTag, a.options);
+  WorkPtr w = a.coll->groupEnd();
+  if (in_place) {
+    w->wait();
+    std::memcpy(a.recv, staging.data(), bytes);
+  }
+  return w;
 }
 // Allgather by recursive doubling over send/recv: step k swaps 2^k blocks with rank ^ 2^k.
 WorkPtr runHypercube(const RunArgs& a) {
