@@ -63,6 +63,8 @@ struct HierComms {
   std::shared_ptr<Communicator> inter;  // ranks with my local index, by node
 };
 
+class SymmCache;  // symm_staging.h
+
 // Reusable temporaries of one Collectives (one operation executes at a time), so a
 // call does not zero and page-fault fresh memory. get(slot, n) keeps the slot's
 // contents only until the next get of the same slot.
@@ -93,6 +95,7 @@ struct RunContext {
   size_t chunk_bytes = 512 * 1024;
   const HierComms* hier = nullptr;  // set when the algorithm needs it
   Scratch* scratch = nullptr;
+  SymmCache* symm = nullptr;  // symmetric staging (symm_algorithms.cc), created at first use
 };
 
 struct Algorithm {
@@ -111,8 +114,14 @@ const std::deque<Algorithm>& algorithms();
 const Algorithm* findAlgorithm(CollType coll, const std::string& name);
 void registerAlgorithm(Algorithm a);
 
-// Defined in host_algorithms.cc; called once by algorithms().
+// Defined in host_algorithms.cc / symm_algorithms.cc; called once by algorithms().
 void registerHostAlgorithms(std::deque<Algorithm>& out);
+void registerSymmAlgorithms(std::deque<Algorithm>& out);
+
+// In-place allreduce of `buf` over point-to-point (recursive doubling below 64 KiB,
+// else ring) with an already normalized op (no premul/avg); sub-tags sub..sub+1.
+void p2pAllreduceInPlace(Communicator& c, const RunContext& x, void* buf, size_t n, DataType t, ReduceOp op,
+                         uint32_t sub);
 
 // Whether every node of `comm` has the same number of ranks (hierarchical needs it).
 bool uniformNodes(const Communicator& comm);

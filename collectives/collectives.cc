@@ -25,6 +25,7 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/selection.h"
+#include "collectives/symm_staging.h"
 #include "comm/env.h"
 #include "comm/errors.h"
 #include "comm/log.h"
@@ -373,6 +374,7 @@ struct Collectives::Impl {
   size_t chunk_bytes = 512 * 1024;
   std::shared_ptr<HierComms> hier;
   std::shared_ptr<Scratch> scratch = std::make_shared<Scratch>();
+  std::shared_ptr<SymmCache> symm = std::make_shared<SymmCache>();
   int group_depth = 0;
   std::vector<Planned> group;
   std::shared_ptr<WorkImpl> group_work;
@@ -404,10 +406,11 @@ Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
 }
 
 std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> ops) {
-  return [comm = comm, ops = std::move(ops), chunk = chunk_bytes, hier = hier,
-          scratch = scratch](Deadline deadline) {
+  return [comm = comm, ops = std::move(ops), chunk = chunk_bytes, hier = hier, scratch = scratch,
+          symm = symm](Deadline deadline) {
     RunContext x;
     x.scratch = scratch.get();
+    x.symm = symm.get();
     x.comm = comm.get();
     x.deadline = deadline;
     x.chunk_bytes = chunk;

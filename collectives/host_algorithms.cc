@@ -513,6 +513,14 @@ std::string always(const CollArgs&, const Communicator&) {
 
 }  // namespace
 
+void p2pAllreduceInPlace(Communicator& c, const RunContext& x, void* buf, size_t n, DataType t, ReduceOp op,
+                         uint32_t sub) {
+  if (n * elementSize(t) < 64 * 1024)
+    rdAllreduceInPlace(c, x, buf, n, t, op, sub);
+  else
+    ringAllreduceInPlace(c, x, buf, n, t, op, sub);
+}
+
 void registerHostAlgorithms(std::deque<Algorithm>& out) {
   auto add = [&](CollType coll, const char* name, const char* summary, auto run,
                  std::function<std::string(const CollArgs&, const Communicator&)> applies = always,

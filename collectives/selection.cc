@@ -122,6 +122,7 @@ std::deque<Algorithm>& registry() {
   static std::deque<Algorithm>* r = [] {
     auto* v = new std::deque<Algorithm>();
     registerHostAlgorithms(*v);
+    registerSymmAlgorithms(*v);
     return v;
   }();
   return *r;

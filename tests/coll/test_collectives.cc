@@ -390,9 +390,24 @@ std::vector<Case> matrix(int p) {
       for (const char* algo : {"rd", "ring", "hierarchical"})
         for (size_t n : {size_t{7}, size_t{1031}})
           cases.push_back(Case{CollType::kAllreduce, algo, n, (ti + oi) % 2 == 0, size_t(oi % 2), t, op});
+      // Symmetric-memory algorithms: also a size past the (test-sized) staging buffer,
+      // so every type x op goes through the chunked path.
+      for (const char* algo : {"oneshot", "twoshot", "twoshot_nt", "hierarchical_symm"})
+        for (size_t n : {size_t{7}, size_t{1031}, size_t{9001}})
+          cases.push_back(
+              Case{CollType::kAllreduce, algo, n, (ti + oi + n) % 2 == 0, size_t((oi + n) % 2), t, op});
       cases.push_back(Case{CollType::kReduce, "binomial", 7, false, 0, t, op, (ti + oi) % p});
+      cases.push_back(Case{CollType::kReduce, "symm", 9001, oi % 2 == 0, 1, t, op, (ti + oi + 1) % p});
       cases.push_back(Case{CollType::kReduceScatter, oi % 2 ? "ring" : "pairwise", 7, false, 1, t, op});
+      cases.push_back(Case{CollType::kReduceScatter, "symm", 1031, oi % 2 == 1, 0, t, op});
     }
+  }
+  // Symmetric-memory data movement past the staging size (chunked, unaligned offsets).
+  for (const Algorithm& a : algorithms()) {
+    if (a.name != "symm" || isReduction(a.coll)) continue;
+    for (int inplace = 0; inplace < (hasInPlace(a.coll) ? 2 : 1); ++inplace)
+      cases.push_back(Case{a.coll, a.name, 40009, inplace == 1, size_t(1 - inplace), DataType::kUInt8,
+                           ReduceOp::kSum, (inplace + 1) % p});
   }
   return cases;
 }
@@ -441,6 +456,8 @@ TEST_P(CollMatrix, AllAlgorithms) {
   opts.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(cfg.ranks_per_node);
   opts.env["CROSSBAR_TIMEOUT"] = "120s";
   if (*cfg.chunk) opts.env["CROSSBAR_COLL_CHUNK_SIZE"] = cfg.chunk;
+  // Small symmetric staging (2 x 16 KiB), so the matrix's larger sizes are chunked.
+  opts.env["CROSSBAR_COLL_SYMM_BYTES"] = "32K";
   runRanks(
       cfg.ranks,
       [&](RankEnv& env) {

@@ -1,0 +1,554 @@
+// Host collectives over symmetric memory (one node, or the intra-node phases of the
+// hierarchical allreduce). Each chunk is copied once into the owner's staging half
+// (symm_staging.h) and read by every peer straight from the owner's mapping: data
+// moves with one copy in and one copy (or reduction) out, no transport rings, and
+// synchronization is one signal per chunk and peer (spin, then futex).
+//
+// Reductions read every rank's contribution and combine them in rank order with the
+// full pre/post of reduce.h (premul-sum scaling, avg division), so every rank gets
+// bit-identical results, and nothing needs normalizing afterwards.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "collectives/algorithms.h"
+#include "collectives/reduce.h"
+#include "collectives/symm_staging.h"
+#include "comm/env.h"
+#include "comm/errors.h"
+#include "comm/log.h"
+#include "symmem/copy_engine.h"
+
+namespace crossbar {
+
+// ---- staging ---------------------------------------------------------------------------
+
+namespace {
+constexpr size_t kAlign = 64;  // sub-blocks start on cache lines (no false sharing, aligned vectors)
+size_t roundDown(size_t v, size_t a) {
+  return v / a * a;
+}
+size_t roundUp(size_t v, size_t a) {
+  return (v + a - 1) / a * a;
+}
+}  // namespace
+
+SymmStaging::SymmStaging(std::shared_ptr<Communicator> comm, size_t bytes, size_t chunk)
+    : comm_(std::move(comm)), rank_(comm_->rank()), size_(comm_->size()) {
+  half_ = std::max<size_t>(roundDown(bytes / 2, 4096), 4096);
+  chunk_ = std::clamp<size_t>(roundDown(chunk, kAlign), kAlign, half_);
+  symm::HeapOptions o;
+  o.channels = kChannels;
+  o.name = "coll";
+  o.remote_access = false;  // intra-node only: what crosses nodes goes over point-to-point
+  heap_ = symm::SymmetricHeap::create(comm_, o);
+  buf_ = heap_.allocate(2 * half_);
+  owed_.resize(size_);
+  CB_INFO("coll", "{}: symmetric staging of 2 x {} bytes per rank, chunks of up to {} bytes", comm_->name(),
+          half_, chunk_);
+}
+
+void SymmStaging::acquire(int h, Deadline deadline) {
+  for (int q = 0; q < size_; ++q) {
+    auto& f = owed_[q];
+    // FREE signals from q arrive in publish order: consume through q's last use of h.
+    auto last = std::find(f.rbegin(), f.rend(), static_cast<uint8_t>(h));
+    if (last == f.rend()) continue;
+    size_t n = static_cast<size_t>(f.rend() - last);
+    for (size_t i = 0; i < n; ++i) {
+      buf_->waitSignal(q, kFree, deadline);
+      f.pop_front();
+    }
+  }
+}
+
+void SymmStaging::publish(int h, int reader) {
+  buf_->putSignal(reader, kReady);
+  owed_[reader].push_back(static_cast<uint8_t>(h));
+}
+
+void SymmStaging::publishAll(int h) {
+  for (int q = 0; q < size_; ++q)
+    if (q != rank_) publish(h, q);
+}
+
+void SymmStaging::notifyAll(int channel) {
+  for (int q = 0; q < size_; ++q)
+    if (q != rank_) buf_->putSignal(q, channel);
+}
+
+void SymmStaging::waitAll(int channel, Deadline deadline) {
+  for (int q = 0; q < size_; ++q)
+    if (q != rank_) buf_->waitSignal(q, channel, deadline);
+}
+
+void SymmStaging::releaseAll() {
+  for (int q = 0; q < size_; ++q)
+    if (q != rank_) release(q);
+}
+
+SymmCache::SymmCache() {
+  bytes_ = env::getSize("CROSSBAR_COLL_SYMM_BYTES");
+  chunk_ = env::getSize("CROSSBAR_COLL_SYMM_CHUNK");
+}
+
+SymmStaging& SymmCache::get(Communicator& comm) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& s = states_[&comm];
+  if (!s) s = std::make_unique<SymmStaging>(comm.shared_from_this(), bytes_, chunk_);
+  return *s;
+}
+
+namespace {
+
+inline char* cp(void* p) {
+  return static_cast<char*>(p);
+}
+inline const char* ccp(const void* p) {
+  return static_cast<const char*>(p);
+}
+size_t ceilDiv(size_t a, size_t b) {
+  return (a + b - 1) / b;
+}
+
+// Copy of `bytes`; streaming stores for large pieces when `nt` (output that is not
+// read again soon: no read-for-ownership, no cache pollution).
+void copyOut(void* dst, const void* src, size_t bytes, bool nt) {
+  if (!bytes || dst == src) return;
+  if (nt && bytes >= 16 * 1024)
+    symm::copyBytesNonTemporal(dst, src, bytes);
+  else
+    std::memcpy(dst, src, bytes);
+}
+
+SymmStaging& staging(Communicator& c, const RunContext& x) {
+  return x.symm->get(c);
+}
+
+ReduceParams paramsOf(const CollArgs& a) {
+  ReduceParams p;
+  p.preMulScalar = a.premul_scalar;
+  return p;
+}
+
+// Elements per chunk and per rank: the chunk size in whole, cache-line multiple elements.
+size_t chunkElems(size_t bytes, size_t es) {
+  return std::max<size_t>(roundDown(bytes, kAlign) / es, 1);
+}
+
+// Elements per block when `parts` blocks share one half (stride = elems * es, aligned).
+size_t subChunkElems(const SymmStaging& s, int parts, size_t es) {
+  size_t per = std::min(s.chunkBytes(), s.halfBytes() / static_cast<size_t>(parts));
+  return std::max<size_t>(roundDown(per, kAlign) / es, 1);
+}
+
+// Block b of `n` elements split into p parts of a cache-line multiple each.
+struct Split {
+  size_t blk;
+  size_t n;
+  size_t off(int b) const { return std::min(n, blk * b); }
+  size_t len(int b) const { return std::min(n, blk * (b + 1)) - off(b); }
+};
+Split splitOf(size_t n, int p, size_t es) {
+  const size_t a = std::max<size_t>(kAlign / es, 1);
+  return Split{roundUp(ceilDiv(n, static_cast<size_t>(p)), a), n};
+}
+
+// ---- allreduce -----------------------------------------------------------------------
+
+// One-shot: every rank stages its chunk, then reduces all p chunks (its own from the
+// user buffer) into its output. p-1 reads per element; for small messages.
+void allreduceOneShot(const CollArgs& a, RunContext& x) {
+  SymmStaging& s = staging(*x.comm, x);
+  const int p = s.size(), r = s.rank();
+  const size_t es = elementSize(a.type), n = a.count;
+  const size_t C = chunkElems(s.chunkBytes(), es);
+  const size_t K = ceilDiv(n, C);
+  const ReduceParams prm = paramsOf(a);
+  std::vector<const void*> srcs(p);
+  for (size_t k = 0; k < K; ++k) {
+    const int h = s.halfOf(k);
+    const size_t lo = k * C, m = std::min(C, n - lo);
+    s.acquire(h, x.deadline);
+    std::memcpy(s.mine(h), ccp(a.send) + lo * es, m * es);
+    s.publishAll(h);
+    for (int q = 0; q < p; ++q) srcs[q] = q == r ? ccp(a.send) + lo * es : s.slot(q, h);
+    s.waitAll(SymmStaging::kReady, x.deadline);
+    reduce(cp(a.recv) + lo * es, srcs.data(), p, m, a.type, a.op, prm);
+    s.releaseAll();
+  }
+  s.advance(K);
+}
+
+// Two-shot: stage the chunk; rank r reduces block r of it from every rank's half (in
+// place, into its own half), then every rank copies all reduced blocks out. Each
+// element is read about twice per rank instead of p times.
+void twoShot(const CollArgs& a, RunContext& x, bool nt) {
+  SymmStaging& s = staging(*x.comm, x);
+  const int p = s.size(), r = s.rank();
+  const size_t es = elementSize(a.type), n = a.count;
+  const size_t C = chunkElems(s.chunkBytes(), es);
+  const size_t K = ceilDiv(n, C);
+  const ReduceParams prm = paramsOf(a);
+  std::vector<const void*> srcs(p);
+  for (size_t k = 0; k < K; ++k) {
+    const int h = s.halfOf(k);
+    const size_t lo = k * C, m = std::min(C, n - lo);
+    const Split sp = splitOf(m, p, es);
+    s.acquire(h, x.deadline);
+    std::memcpy(s.mine(h), ccp(a.send) + lo * es, m * es);
+    s.publishAll(h);
+    s.waitAll(SymmStaging::kReady, x.deadline);
+    const size_t bo = sp.off(r) * es;
+    for (int q = 0; q < p; ++q) srcs[q] = s.slot(q, h) + bo;
+    if (sp.len(r)) reduce(s.mine(h) + bo, srcs.data(), p, sp.len(r), a.type, a.op, prm);
+    s.notifyAll(SymmStaging::kReduced);
+    // Own block first (no wait), then the peers' as they finish.
+    copyOut(cp(a.recv) + lo * es + bo, s.mine(h) + bo, sp.len(r) * es, nt);
+    for (int i = 1; i < p; ++i) {
+      const int q = (r + i) % p;
+      s.wait(q, SymmStaging::kReduced, x.deadline);
+      copyOut(cp(a.recv) + (lo + sp.off(q)) * es, s.slot(q, h) + sp.off(q) * es, sp.len(q) * es, nt);
+      s.release(q);
+    }
+  }
+  s.advance(K);
+}
+
+void allreduceTwoShot(const CollArgs& a, RunContext& x) {
+  twoShot(a, x, false);
+}
+void allreduceTwoShotNt(const CollArgs& a, RunContext& x) {
+  twoShot(a, x, true);
+}
+
+// ---- reduce-scatter / allgather over blocks (also the hierarchical phases) -------------
+
+// Blocks of a buffer: block b at element off[b], len[b] elements.
+struct Blocks {
+  std::vector<size_t> off, len;
+  size_t maxLen() const { return len.empty() ? 0 : *std::max_element(len.begin(), len.end()); }
+};
+
+Blocks uniformBlocks(size_t count, int p) {
+  Blocks b;
+  for (int i = 0; i < p; ++i) {
+    b.off.push_back(count * i);
+    b.len.push_back(count);
+  }
+  return b;
+}
+
+// rank r's output `out` (len[r] elements) = reduce over ranks of their input block r.
+// Every rank stages its blocks b != r chunk by chunk (its own block r it reads in place).
+void symmReduceScatter(SymmStaging& s, const RunContext& x, const void* in, void* out, const Blocks& B,
+                       DataType t, ReduceOp op, const ReduceParams& prm) {
+  const int p = s.size(), r = s.rank();
+  const size_t es = elementSize(t);
+  const size_t C = subChunkElems(s, p, es), stride = C * es;
+  const size_t K = ceilDiv(B.maxLen(), C);
+  std::vector<const void*> srcs(p);
+  for (size_t k = 0; k < K; ++k) {
+    const int h = s.halfOf(k);
+    const size_t lo = k * C;
+    s.acquire(h, x.deadline);
+    for (int b = 0; b < p; ++b) {
+      if (b == r || B.len[b] <= lo) continue;
+      std::memcpy(s.mine(h) + b * stride, ccp(in) + (B.off[b] + lo) * es, std::min(C, B.len[b] - lo) * es);
+    }
+    s.publishAll(h);
+    s.waitAll(SymmStaging::kReady, x.deadline);
+    if (B.len[r] > lo) {
+      for (int q = 0; q < p; ++q)
+        srcs[q] = q == r ? ccp(in) + (B.off[r] + lo) * es : s.slot(q, h) + r * stride;
+      reduce(cp(out) + lo * es, srcs.data(), p, std::min(C, B.len[r] - lo), t, op, prm);
+    }
+    s.releaseAll();
+  }
+  s.advance(K);
+}
+
+// Every rank's `mine` (len[r] elements) lands at out + off[r] on every rank.
+void symmAllgather(SymmStaging& s, const RunContext& x, const void* mine, void* out, const Blocks& B,
+                   DataType t, bool nt) {
+  const int p = s.size(), r = s.rank();
+  const size_t es = elementSize(t);
+  const size_t C = chunkElems(s.chunkBytes(), es);
+  const size_t K = ceilDiv(B.maxLen(), C);
+  if (ccp(mine) != cp(out) + B.off[r] * es) copyOut(cp(out) + B.off[r] * es, mine, B.len[r] * es, nt);
+  for (size_t k = 0; k < K; ++k) {
+    const int h = s.halfOf(k);
+    const size_t lo = k * C;
+    s.acquire(h, x.deadline);
+    if (B.len[r] > lo) std::memcpy(s.mine(h), ccp(mine) + lo * es, std::min(C, B.len[r] - lo) * es);
+    s.publishAll(h);
+    for (int i = 1; i < p; ++i) {
+      const int q = (r + i) % p;
+      s.wait(q, SymmStaging::kReady, x.deadline);
+      if (B.len[q] > lo)
+        copyOut(cp(out) + (B.off[q] + lo) * es, s.slot(q, h), std::min(C, B.len[q] - lo) * es, nt);
+      s.release(q);
+    }
+  }
+  s.advance(K);
+}
+
+void reduceScatterSymm(const CollArgs& a, RunContext& x) {
+  SymmStaging& s = staging(*x.comm, x);
+  symmReduceScatter(s, x, a.send, a.recv, uniformBlocks(a.count, s.size()), a.type, a.op, paramsOf(a));
+}
+
+void allgatherSymm(const CollArgs& a, RunContext& x) {
+  SymmStaging& s = staging(*x.comm, x);
+  symmAllgather(s, x, a.send, a.recv, uniformBlocks(a.count, s.size()), a.type,
+                a.count * elementSize(a.type) * s.size() >= (8u << 20));
+}
+
+// Hierarchical: intra-node reduce-scatter over symmetric memory -> allreduce of my
+// block among the ranks with my local index (point-to-point, over UCX between nodes)
+// -> intra-node allgather over symmetric memory.
+void allreduceHierSymm(const CollArgs& a, RunContext& x) {
+  Communicator& intra = *x.hier->intra;
+  Communicator& inter = *x.hier->inter;
+  SymmStaging& s = staging(intra, x);
+  const size_t es = elementSize(a.type);
+  const int p = s.size(), r = s.rank();
+  const Split sp = splitOf(a.count, p, es);
+  Blocks B;
+  for (int b = 0; b < p; ++b) {
+    B.off.push_back(sp.off(b));
+    B.len.push_back(sp.len(b));
+  }
+  // Intra phase: premul scales each input once; avg sums (divided at the very end).
+  const ReduceOp op1 = a.op == ReduceOp::kAvg ? ReduceOp::kSum : a.op;
+  const ReduceOp opn = a.op == ReduceOp::kAvg || a.op == ReduceOp::kPreMulSum ? ReduceOp::kSum : a.op;
+  char* mine = cp(a.recv) + B.off[r] * es;
+  symmReduceScatter(s, x, a.send, mine, B, a.type, op1, paramsOf(a));
+  if (B.len[r]) {
+    p2pAllreduceInPlace(inter, x, mine, B.len[r], a.type, opn, 2);
+    if (a.op == ReduceOp::kAvg) finishReduce(mine, B.len[r], a.type, a.op, x.comm->size());
+  }
+  symmAllgather(s, x, mine, a.recv, B, a.type, false);
+}
+
+// ---- data movement -------------------------------------------------------------------
+
+void broadcastSymm(const CollArgs& a, RunContext& x) {
+  SymmStaging& s = staging(*x.comm, x);
+  const int r = s.rank();
+  const size_t es = elementSize(a.type), n = a.count;
+  const size_t C = chunkElems(s.chunkBytes(), es);
+  const size_t K = ceilDiv(n, C);
+  const bool nt = n * es >= (8u << 20);
+  for (size_t k = 0; k < K; ++k) {
+    const int h = s.halfOf(k);
+    const size_t lo = k * C, m = std::min(C, n - lo);
+    if (r == a.root) {
+      s.acquire(h, x.deadline);
+      std::memcpy(s.mine(h), ccp(a.recv) + lo * es, m * es);
+      s.publishAll(h);
+    } else {
+      s.wait(a.root, SymmStaging::kReady, x.deadline);
+      copyOut(cp(a.recv) + lo * es, s.slot(a.root, h), m * es, nt);
+      s.release(a.root);
+    }
+  }
+  s.advance(K);
+}
+
+void reduceSymm(const CollArgs& a, RunContext& x) {
+  SymmStaging& s = staging(*x.comm, x);
+  const int p = s.size(), r = s.rank();
+  const size_t es = elementSize(a.type), n = a.count;
+  const size_t C = chunkElems(s.chunkBytes(), es);
+  const size_t K = ceilDiv(n, C);
+  const ReduceParams prm = paramsOf(a);
+  std::vector<const void*> srcs(p);
+  for (size_t k = 0; k < K; ++k) {
+    const int h = s.halfOf(k);
+    const size_t lo = k * C, m = std::min(C, n - lo);
+    if (r != a.root) {
+      s.acquire(h, x.deadline);
+      std::memcpy(s.mine(h), ccp(a.send) + lo * es, m * es);
+      s.publish(h, a.root);
+      continue;
+    }
+    for (int q = 0; q < p; ++q) srcs[q] = q == r ? ccp(a.send) + lo * es : s.slot(q, h);
+    s.waitAll(SymmStaging::kReady, x.deadline);
+    reduce(cp(a.recv) + lo * es, srcs.data(), p, m, a.type, a.op, prm);
+    s.releaseAll();
+  }
+  s.advance(K);
+}
+
+void gatherSymm(const CollArgs& a, RunContext& x) {
+  SymmStaging& s = staging(*x.comm, x);
+  const int p = s.size(), r = s.rank();
+  const size_t es = elementSize(a.type), n = a.count;
+  const size_t C = chunkElems(s.chunkBytes(), es);
+  const size_t K = ceilDiv(n, C);
+  if (r == a.root) copyOut(cp(a.recv) + r * n * es, a.send, n * es, false);
+  for (size_t k = 0; k < K; ++k) {
+    const int h = s.halfOf(k);
+    const size_t lo = k * C, m = std::min(C, n - lo);
+    if (r != a.root) {
+      s.acquire(h, x.deadline);
+      std::memcpy(s.mine(h), ccp(a.send) + lo * es, m * es);
+      s.publish(h, a.root);
+      continue;
+    }
+    for (int i = 1; i < p; ++i) {
+      const int q = (r + i) % p;
+      s.wait(q, SymmStaging::kReady, x.deadline);
+      std::memcpy(cp(a.recv) + (q * n + lo) * es, s.slot(q, h), m * es);
+      s.release(q);
+    }
+  }
+  s.advance(K);
+}
+
+void scatterSymm(const CollArgs& a, RunContext& x) {
+  SymmStaging& s = staging(*x.comm, x);
+  const int p = s.size(), r = s.rank();
+  const size_t es = elementSize(a.type), n = a.count;
+  const size_t C = subChunkElems(s, p, es), stride = C * es;
+  const size_t K = ceilDiv(n, C);
+  if (r == a.root) copyOut(a.recv, ccp(a.send) + r * n * es, n * es, false);
+  for (size_t k = 0; k < K; ++k) {
+    const int h = s.halfOf(k);
+    const size_t lo = k * C, m = std::min(C, n - lo);
+    if (r == a.root) {
+      s.acquire(h, x.deadline);
+      for (int b = 0; b < p; ++b)
+        if (b != r) std::memcpy(s.mine(h) + b * stride, ccp(a.send) + (b * n + lo) * es, m * es);
+      s.publishAll(h);
+    } else {
+      s.wait(a.root, SymmStaging::kReady, x.deadline);
+      std::memcpy(cp(a.recv) + lo * es, s.slot(a.root, h) + r * stride, m * es);
+      s.release(a.root);
+    }
+  }
+  s.advance(K);
+}
+
+// Alltoall(v): each rank stages its blocks for every peer in per-destination slices of
+// its half; a pair (s -> d) runs ceil(bytes / slice) rounds, known to both from the
+// counts, so ranks with less to move finish early. Round k uses half base + k; the
+// base is not advanced (the round count is not agreed globally): acquire() tracks
+// which half each reader still holds, which is all the next operation needs.
+void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const size_t* sdsp,
+                  const size_t* rcnt, const size_t* rdsp) {
+  SymmStaging& s = staging(*x.comm, x);
+  const int p = s.size(), r = s.rank();
+  const size_t es = elementSize(a.type);
+  const size_t C = subChunkElems(s, p, es), stride = C * es;
+  const char* in = ccp(a.send);
+  char* out = cp(a.recv);
+  const bool inplace = a.send == a.recv;
+  size_t rounds = 0;
+  for (int q = 0; q < p; ++q)
+    if (q != r) rounds = std::max({rounds, ceilDiv(scnt[q], C), ceilDiv(rcnt[q], C)});
+  if (!inplace) std::memcpy(out + rdsp[r] * es, in + sdsp[r] * es, scnt[r] * es);
+  for (size_t k = 0; k < rounds; ++k) {
+    const int h = s.halfOf(k);
+    const size_t lo = k * C;
+    bool any = false;
+    for (int q = 0; q < p; ++q) any |= q != r && scnt[q] > lo;
+    if (any) {
+      s.acquire(h, x.deadline);
+      for (int q = 0; q < p; ++q) {
+        if (q == r || scnt[q] <= lo) continue;
+        std::memcpy(s.mine(h) + q * stride, in + (sdsp[q] + lo) * es, std::min(C, scnt[q] - lo) * es);
+        s.publish(h, q);
+      }
+    }
+    for (int i = 1; i < p; ++i) {
+      const int q = (r + i) % p;
+      if (rcnt[q] <= lo) continue;
+      s.wait(q, SymmStaging::kReady, x.deadline);
+      std::memcpy(out + (rdsp[q] + lo) * es, s.slot(q, h) + r * stride, std::min(C, rcnt[q] - lo) * es);
+      s.release(q);
+    }
+  }
+}
+
+void alltoallSymm(const CollArgs& a, RunContext& x) {
+  const int p = x.comm->size();
+  std::vector<size_t> cnt(p, a.count), dsp(p);
+  for (int i = 0; i < p; ++i) dsp[i] = a.count * i;
+  exchangeSymm(a, x, cnt.data(), dsp.data(), cnt.data(), dsp.data());
+}
+
+void alltoallvSymm(const CollArgs& a, RunContext& x) {
+  // In place with variable counts: a block may be overwritten before it is staged.
+  if (a.send == a.recv) {
+    size_t extent = 0;
+    for (int i = 0; i < x.comm->size(); ++i)
+      extent = std::max(extent, (a.send_displs[i] + a.send_counts[i]) * elementSize(a.type));
+    char* copy = x.scratch->get(0, extent);
+    std::memcpy(copy, a.send, extent);
+    CollArgs b = a;
+    b.send = copy;
+    exchangeSymm(b, x, a.send_counts.data(), a.send_displs.data(), a.recv_counts.data(),
+                 a.recv_displs.data());
+    return;
+  }
+  exchangeSymm(a, x, a.send_counts.data(), a.send_displs.data(), a.recv_counts.data(), a.recv_displs.data());
+}
+
+// ---- applicability -------------------------------------------------------------------
+
+std::string symmDisabled() {
+  static const bool off = env::getSize("CROSSBAR_COLL_SYMM_BYTES") == 0;
+  return off ? "CROSSBAR_COLL_SYMM_BYTES=0 disables the symmetric-memory algorithms" : "";
+}
+
+std::string singleNode(const CollArgs&, const Communicator& c) {
+  std::string off = symmDisabled();
+  if (!off.empty()) return off;
+  if (c.numNodes() > 1)
+    return fmt::format("the communicator spans {} nodes (symmetric memory is intra-node)", c.numNodes());
+  return {};
+}
+
+std::string multiNode(const CollArgs&, const Communicator& c) {
+  std::string off = symmDisabled();
+  if (!off.empty()) return off;
+  if (c.numNodes() < 2) return "the communicator spans one node";
+  if (!uniformNodes(c)) return "nodes have different numbers of ranks";
+  return {};
+}
+
+}  // namespace
+
+void registerSymmAlgorithms(std::deque<Algorithm>& out) {
+  auto add = [&](CollType coll, const char* name, const char* summary, auto run,
+                 std::function<std::string(const CollArgs&, const Communicator&)> applies = singleNode,
+                 bool needs_hier = false) {
+    out.push_back(Algorithm{coll, name, summary, std::move(applies), run, needs_hier});
+  };
+  add(CollType::kAllreduce, "oneshot",
+      "symmetric memory: stage, every rank reduces all peers' chunks (small)", allreduceOneShot);
+  add(CollType::kAllreduce, "twoshot",
+      "symmetric memory: direct reduce-scatter of each chunk, then direct allgather; double-buffered",
+      allreduceTwoShot);
+  add(CollType::kAllreduce, "twoshot_nt", "twoshot with streaming stores for the output (very large)",
+      allreduceTwoShotNt);
+  add(CollType::kAllreduce, "hierarchical_symm",
+      "symmetric-memory reduce-scatter in the node, p2p allreduce per local index, symmetric allgather",
+      allreduceHierSymm, multiNode, true);
+  add(CollType::kReduceScatter, "symm",
+      "symmetric memory: each rank reduces its block from all peers' stages", reduceScatterSymm);
+  add(CollType::kAllgather, "symm", "symmetric memory: stage once, every peer copies out", allgatherSymm);
+  add(CollType::kBroadcast, "symm", "symmetric memory: root stages chunks, peers copy out", broadcastSymm);
+  add(CollType::kReduce, "symm", "symmetric memory: root reduces every rank's staged chunk", reduceSymm);
+  add(CollType::kAlltoall, "symm", "symmetric memory: per-destination slices, peers copy out", alltoallSymm);
+  add(CollType::kAlltoallv, "symm", "symmetric memory: per-destination slices, pairwise round counts",
+      alltoallvSymm);
+  add(CollType::kGather, "symm", "symmetric memory: ranks stage, root copies out", gatherSymm);
+  add(CollType::kScatter, "symm", "symmetric memory: root stages per-rank slices, ranks copy out",
+      scatterSymm);
+}
+
+}  // namespace crossbar

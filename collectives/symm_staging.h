@@ -1,0 +1,87 @@
+// Symmetric staging for the host symmetric-memory collectives (symm_algorithms.cc).
+//
+// Every rank of one (intra-node) communicator owns a symmetric buffer of two halves.
+// A chunk is staged by its owner into one half and read by peers straight from the
+// owner's mapping (one copy in, one copy or reduction out), so the protocol is:
+//   owner:  acquire(h) -> write half h -> publish(h, reader) (READY signal)
+//   reader: wait(owner, kReady) -> read owner's half h -> release(owner) (FREE signal)
+// Signal counters only grow, and each (channel, peer) pair is consumed in order, so
+// the owner remembers, per reader, which halves it still owes a FREE for (a FIFO) and
+// acquire() consumes FREE signals only when it reuses a half: a small collective
+// pays no trailing synchronization, the next use of the same half does.
+// Chunk k of an operation uses half (base + k) % 2 where `base` advances by the same
+// amount on every rank (operations run in the same order everywhere).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/deadline.h"
+#include "symmem/symmetric_heap.h"
+
+namespace crossbar {
+
+class SymmStaging {
+ public:
+  static constexpr int kReady = 0;    // owner -> reader: the chunk is in the owner's half
+  static constexpr int kReduced = 1;  // owner -> reader: second-phase data (two-shot) is ready
+  static constexpr int kFree = 2;     // reader -> owner: done reading the owner's half
+  static constexpr int kChannels = 3;
+
+  // Collective over `comm` (every rank at the same point of its operation sequence).
+  SymmStaging(std::shared_ptr<Communicator> comm, size_t bytes, size_t chunk);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  size_t halfBytes() const { return half_; }
+  size_t chunkBytes() const { return chunk_; }  // largest chunk per rank (<= halfBytes)
+  char* mine(int h) const { return slot(rank_, h); }
+  char* slot(int rank, int h) const { return static_cast<char*>(buf_->peerPtr(rank)) + h * half_; }
+  int halfOf(uint64_t k) const { return static_cast<int>((base_ + k) & 1); }
+  void advance(uint64_t chunks) { base_ += chunks; }
+
+  // Waits until every reader of this rank's half h has released it.
+  void acquire(int h, Deadline deadline);
+  // READY to `reader`, who now owes a FREE for half h.
+  void publish(int h, int reader);
+  void notify(int peer, int channel) { buf_->putSignal(peer, channel); }
+  void wait(int peer, int channel, Deadline deadline) { buf_->waitSignal(peer, channel, deadline); }
+  void release(int owner) { buf_->putSignal(owner, kFree); }
+
+  // Helpers over every peer but this rank.
+  void publishAll(int h);
+  void notifyAll(int channel);
+  void waitAll(int channel, Deadline deadline);
+  void releaseAll();
+
+ private:
+  std::shared_ptr<Communicator> comm_;
+  symm::SymmetricHeap heap_;
+  std::shared_ptr<symm::SymmetricBuffer> buf_;
+  int rank_ = 0, size_ = 0;
+  size_t half_ = 0, chunk_ = 0;
+  uint64_t base_ = 0;
+  std::vector<std::deque<uint8_t>> owed_;  // by reader: halves it still has to release, oldest first
+};
+
+// The staging areas of one Collectives, by communicator (the whole one, or the
+// intra-node one of the hierarchical algorithms), created at first use.
+class SymmCache {
+ public:
+  SymmCache();
+  size_t bytes() const { return bytes_; }  // CROSSBAR_COLL_SYMM_BYTES (0: disabled)
+  SymmStaging& get(Communicator& comm);
+
+ private:
+  size_t bytes_ = 0, chunk_ = 0;
+  std::mutex mutex_;
+  std::map<const Communicator*, std::unique_ptr<SymmStaging>> states_;
+};
+
+}  // namespace crossbar
