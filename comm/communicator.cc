@@ -110,12 +110,16 @@ std::string Context::transportsSummary() const {
   return out.empty() ? "no peers" : out;
 }
 
-void Context::abort(const std::string& reason) {
+void Context::abort(const std::string& reason) { abort(reason, nullptr); }
+
+void Context::abort(const std::string& reason, std::exception_ptr given) {
   std::call_once(abort_once_, [&] {
     abort_reason_ = reason;
+    abort_error_ = given;
     aborted_.store(true);
-    auto error = std::make_exception_ptr(
-        Aborted(fmt::format("{}communicator aborted: {}", errorContext(rank_, "abort"), reason)));
+    auto error = given ? given
+                       : std::make_exception_ptr(Aborted(
+                             fmt::format("{}communicator aborted: {}", errorContext(rank_, "abort"), reason)));
     for (auto& t : transports_) t->abort(error);
   });
 }
@@ -142,6 +146,7 @@ std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store,
   for (int r = 0; r < size; ++r) comm->members_[r] = r;
   comm->rank_ = rank;
   comm->id_ = 0;
+  comm->epoch_ = options.epoch;
   comm->name_ = options.name.empty() ? "world" : options.name;
   comm->store_ = std::make_shared<PrefixStore>("comm0", comm->context_->store());
   comm->local_peers_ = comm->nodePeers(rank);
@@ -195,9 +200,11 @@ RequestPtr Communicator::isend(const void* data, size_t bytes, int peer, uint32_
                                       errorContext(rank_, "send"), peer, size()));
   if (!data && bytes)
     throw InvalidArgument(fmt::format("{}null buffer for {} bytes to rank {}", errorContext(rank_, "send"), bytes, peer));
-  if (context_->aborted())
+  if (context_->aborted()) {
+    if (auto error = context_->abortError()) std::rethrow_exception(error);
     throw Aborted(fmt::format("{}communicator {} was aborted: {}", errorContext(rank_, "send"), name_,
                               context_->abortReason()));
+  }
   if (peer == rank_)
     throw InvalidUsage(fmt::format("{}sending to self (rank {}) is not supported; copy locally instead",
                                    errorContext(rank_, "send"), peer));
@@ -212,9 +219,11 @@ RequestPtr Communicator::irecv(void* data, size_t capacity, int peer, uint32_t t
                                       errorContext(rank_, "recv"), peer, size()));
   if (!data && capacity)
     throw InvalidArgument(fmt::format("{}null buffer for {} bytes from rank {}", errorContext(rank_, "recv"), capacity, peer));
-  if (context_->aborted())
+  if (context_->aborted()) {
+    if (auto error = context_->abortError()) std::rethrow_exception(error);
     throw Aborted(fmt::format("{}communicator {} was aborted: {}", errorContext(rank_, "recv"), name_,
                               context_->abortReason()));
+  }
   if (peer == rank_)
     throw InvalidUsage(fmt::format("{}receiving from self (rank {}) is not supported; copy locally instead",
                                    errorContext(rank_, "recv"), peer));
@@ -288,6 +297,9 @@ void Communicator::destroy() {
 }
 
 void Communicator::abort(const std::string& reason) { context_->abort(reason); }
+void Communicator::abort(const std::string& reason, std::exception_ptr error) {
+  context_->abort(reason, std::move(error));
+}
 bool Communicator::aborted() const { return context_->aborted(); }
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key) {

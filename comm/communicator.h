@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@ struct CommOptions {
   Millis timeout{0};      // 0: CROSSBAR_TIMEOUT
   std::string name;       // shows up in logs and errors; default "world"
   int ranks_per_node = -1;  // -1: CROSSBAR_RANKS_PER_NODE
+  uint64_t epoch = 0;       // set by fault tolerance (comm/ft.h) for rebuilt communicators
 };
 
 class Communicator : public std::enable_shared_from_this<Communicator> {
@@ -73,6 +75,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
   // Fails every pending operation with Aborted; thread-safe, idempotent, nonblocking.
   void abort(const std::string& reason = "abort() called");
+  // Same, but pending and later operations fail with `error` (e.g. PeerFailure naming
+  // the failed ranks) instead of Aborted.
+  void abort(const std::string& reason, std::exception_ptr error);
   bool aborted() const;
 
   // Lower layers' access.

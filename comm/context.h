@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -34,6 +35,9 @@ class Context {
   std::string transportsSummary() const;  // "shm(3 peers) ucx(4 peers)"
 
   void abort(const std::string& reason);
+  // `error` (when set) is what pending and later operations fail with instead of Aborted.
+  void abort(const std::string& reason, std::exception_ptr error);
+  std::exception_ptr abortError() const { return aborted_.load() ? abort_error_ : nullptr; }
   bool aborted() const { return aborted_.load(); }
   const std::string& abortReason() const { return abort_reason_; }
 
@@ -48,6 +52,7 @@ class Context {
   std::atomic<bool> aborted_{false};
   std::once_flag abort_once_;
   std::string abort_reason_;
+  std::exception_ptr abort_error_;  // set only by abort(reason, error)
 };
 
 }  // namespace crossbar

@@ -31,6 +31,8 @@ const std::vector<Variable>& all() {
       {"CROSSBAR_SYMMEM_CHANNELS", Type::kInt, "16", "Signal channels per symmetric buffer (counters per channel and peer in its signal pad)."},
       {"CROSSBAR_COPY_ENGINE_THREADS", Type::kInt, "1", "Worker threads of the host copy engine (0: copies run in the submitting thread)."},
       {"CROSSBAR_COPY_ENGINE_NT_THRESHOLD", Type::kSize, "1M", "Host copies of at least this many bytes use non-temporal (streaming) stores."},
+      {"CROSSBAR_FT_DETECT_TIMEOUT", Type::kMillis, "5s", "Fault tolerance: a rank whose heartbeat stalls this long is reported hung (Timeout); also how long the store may be unreachable."},
+      {"CROSSBAR_FT_HEARTBEAT", Type::kMillis, "100ms", "Fault tolerance: period of the failure detector (pid liveness, revoke checks); heartbeats go to the store every 2 periods."},
       {"CROSSBAR_COLL_SYMM_BYTES", Type::kSize, "8M", "Bytes of symmetric staging memory per rank for the host symmetric-memory collectives (two halves, double-buffered; created at the first such collective). 0 disables those algorithms."},
       {"CROSSBAR_COLL_SYMM_CHUNK", Type::kSize, "1M", "Largest pipelined chunk (bytes per rank) of the symmetric-memory collectives; capped at half of CROSSBAR_COLL_SYMM_BYTES."},
   };

@@ -1,0 +1,614 @@
+#include "comm/ft.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "comm/env.h"
+#include "comm/file_store.h"
+#include "comm/log.h"
+
+namespace crossbar::ft {
+
+struct CallbackList {
+  std::mutex mu;
+  std::vector<FailureCallback> list;
+};
+
+namespace {
+
+// Serialized fault: "rank kind pid reporter host detail..." (one per line).
+std::string serialize(const std::vector<PeerFault>& faults) {
+  std::string out;
+  for (const auto& f : faults)
+    out += fmt::format("{} {} {} {} {} {}\n", f.rank, static_cast<int>(f.kind), f.pid, f.reporter,
+                       f.host.empty() ? "?" : f.host, f.detail);
+  return out;
+}
+
+std::vector<PeerFault> parseFaults(std::istream& in) {
+  std::vector<PeerFault> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    std::istringstream l(line);
+    PeerFault f;
+    int kind = 0;
+    if (!(l >> f.rank >> kind >> f.pid >> f.reporter >> f.host)) continue;
+    f.kind = static_cast<FailureKind>(kind);
+    std::getline(l >> std::ws, f.detail);
+    out.push_back(f);
+  }
+  return out;
+}
+
+std::vector<PeerFault> parseFaults(const std::string& text) {
+  std::istringstream in(text);
+  return parseFaults(in);
+}
+
+void merge(std::vector<PeerFault>& into, const std::vector<PeerFault>& more) {
+  for (const auto& f : more) {
+    auto it = std::find_if(into.begin(), into.end(), [&](const PeerFault& g) { return g.rank == f.rank; });
+    if (it == into.end()) into.push_back(f);
+  }
+}
+
+std::string describeAll(const std::vector<PeerFault>& faults) {
+  std::string out;
+  for (const auto& f : faults) out += (out.empty() ? "" : "; ") + f.describe();
+  return out;
+}
+
+Millis resolve(Millis given, const char* var) {
+  return given.count() > 0 ? given : Millis(env::getMillis(var));
+}
+
+Member thisProcess() { return Member{hostName(), static_cast<int>(::getpid())}; }
+
+std::string memberLine(int old_rank, const Member& m) { return fmt::format("{} {} {}\n", old_rank, m.host, m.pid); }
+
+}  // namespace
+
+const char* failureKindName(FailureKind kind) {
+  switch (kind) {
+    case FailureKind::kDead: return "dead";
+    case FailureKind::kHung: return "hung";
+    case FailureKind::kUnreachable: return "unreachable";
+    case FailureKind::kStoreLost: return "store lost";
+  }
+  return "?";
+}
+
+std::string PeerFault::describe() const {
+  const char* what = "failed";
+  switch (kind) {
+    case FailureKind::kDead: what = "died"; break;
+    case FailureKind::kHung: what = "is not responding (hung or stopped; reported as a timeout)"; break;
+    case FailureKind::kUnreachable: what = "is alive but unreachable (link failure)"; break;
+    case FailureKind::kStoreLost: return fmt::format("the store stopped answering ({})", detail);
+  }
+  return fmt::format("rank {} (host {}, pid {}) {}{}{}", rank, host, pid, what, detail.empty() ? "" : ": ",
+                     detail);
+}
+
+std::string Member::id() const { return fmt::format("{}:{}", host, pid); }
+
+// ------------------------------------------------------------------------------------
+// FailureDetector
+
+FailureDetector::FailureDetector(std::shared_ptr<Store> epoch_store, std::shared_ptr<Communicator> comm,
+                                 std::vector<Member> members, Millis detect_timeout, Millis heartbeat_interval,
+                                 std::shared_ptr<CallbackList> callbacks)
+    : store_(std::move(epoch_store)),
+      comm_(std::move(comm)),
+      members_(std::move(members)),
+      epoch_(comm_->epoch()),
+      rank_(comm_->rank()),
+      detect_timeout_(detect_timeout),
+      heartbeat_interval_(heartbeat_interval),
+      callbacks_(std::move(callbacks)) {
+  const auto now = Clock::now();
+  last_hb_.assign(members_.size(), -1);
+  last_change_.assign(members_.size(), now);
+  last_tick_ = last_heartbeat_ = now;
+  thread_ = std::thread([this] { run(); });
+}
+
+FailureDetector::~FailureDetector() { stop(); }
+
+void FailureDetector::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && !thread_.joinable()) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  flushRevoke();  // survivors must learn of a revoke even if we move on at once
+}
+
+std::vector<PeerFault> FailureDetector::faults() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return faults_;
+}
+
+void FailureDetector::run() {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, heartbeat_interval_, [&] { return stopping_ || !pending_revoke_.empty(); });
+      if (stopping_) return;
+    }
+    const auto now = Clock::now();
+    const bool heartbeat = now - last_heartbeat_ >= 2 * heartbeat_interval_;
+    try {
+      tick(heartbeat);
+    } catch (const std::exception& e) {
+      CB_WARN("ft", "failure detector of epoch {}: {}", epoch_, e.what());
+    }
+    if (heartbeat) last_heartbeat_ = now;
+  }
+}
+
+bool FailureDetector::processGone(int rank, char* state) const {
+  *state = '?';
+  if (members_[rank].host != hostName() || members_[rank].pid <= 0) return false;
+  std::ifstream in(fmt::format("/proc/{}/stat", members_[rank].pid));
+  std::string text;
+  if (!in || !std::getline(in, text)) return true;
+  auto close = text.rfind(')');
+  if (close == std::string::npos || close + 2 >= text.size()) return false;
+  *state = text[close + 2];
+  return *state == 'Z' || *state == 'X';  // a zombie is dead, only not yet reaped
+}
+
+void FailureDetector::tick(bool heartbeat) {
+  const auto now = Clock::now();
+  // If this thread itself was starved (loaded machine), peers' silence proves nothing.
+  if (now - last_tick_ > detect_timeout_ / 2)
+    for (auto& t : last_change_) t = now;
+  last_tick_ = now;
+
+  const int n = static_cast<int>(members_.size());
+  std::vector<PeerFault> found;
+  std::set<int> known;
+  for (const auto& f : faults()) known.insert(f.rank);
+  auto fault = [&](int r, FailureKind kind, std::string detail) {
+    found.push_back(PeerFault{r, kind, members_[r].host, members_[r].pid, rank_, std::move(detail)});
+    known.insert(r);
+  };
+  for (int r = 0; r < n; ++r) {
+    char state;
+    if (r != rank_ && !known.count(r) && processGone(r, &state))
+      fault(r, FailureKind::kDead, state == '?' ? "process gone" : "process exited (zombie)");
+  }
+
+  flushRevoke();
+  try {
+    if (heartbeat) {
+      store_->add(fmt::format("hb/{}", rank_), 1);
+      for (int r = 0; r < n; ++r) {
+        if (r == rank_ || known.count(r)) continue;
+        int64_t v = store_->add(fmt::format("hb/{}", r), 0);
+        if (v != last_hb_[r]) {
+          last_hb_[r] = v;
+          last_change_[r] = now;
+        } else if (now - last_change_[r] > detect_timeout_) {
+          char state;
+          bool gone = processGone(r, &state);
+          std::string detail =
+              fmt::format("no heartbeat for {} ms{}", std::chrono::duration_cast<Millis>(now - last_change_[r]).count(),
+                          state == 'T' || state == 't' ? ", process stopped (state T)" : "");
+          fault(r, gone ? FailureKind::kDead : FailureKind::kHung, detail);
+        }
+      }
+    }
+    if (!revoked_.load() && store_->check({"revoked"})) adopt(toString(store_->get("revoked", Deadline::after(detect_timeout_))));
+    store_failing_ = false;
+  } catch (const std::exception& e) {
+    if (!store_failing_) {
+      store_failing_ = true;
+      store_ok_since_ = now;
+    } else if (now - store_ok_since_ > detect_timeout_ && !revoked_.load()) {
+      found.push_back(PeerFault{-1, FailureKind::kStoreLost, "", 0, rank_, e.what()});
+    }
+  }
+  if (!found.empty()) revoke(found, fmt::format("detected by rank {}", rank_));
+}
+
+std::exception_ptr FailureDetector::errorFor(const std::vector<PeerFault>& faults, const std::string& message) const {
+  std::vector<int> ranks;
+  bool all_hung = !faults.empty(), store_lost = false;
+  for (const auto& f : faults) {
+    if (f.rank >= 0) ranks.push_back(f.rank);
+    all_hung &= f.kind == FailureKind::kHung;
+    store_lost |= f.kind == FailureKind::kStoreLost;
+  }
+  if (store_lost) return std::make_exception_ptr(SystemError(message, ranks));
+  if (faults.empty()) return std::make_exception_ptr(Aborted(message, ranks));
+  if (all_hung) return std::make_exception_ptr(Timeout(message, ranks));
+  return std::make_exception_ptr(PeerFailure(message, ranks));
+}
+
+void FailureDetector::revoke(std::vector<PeerFault> faults, const std::string& why) {
+  std::vector<PeerFault> all, fresh;
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& f : faults) {
+      bool seen = std::any_of(faults_.begin(), faults_.end(), [&](const PeerFault& g) { return g.rank == f.rank; });
+      if (!seen) fresh.push_back(f);
+    }
+    merge(faults_, fresh);
+    all = faults_;
+    first = !revoked_.exchange(true);
+    bool store_lost = std::any_of(all.begin(), all.end(), [](auto& f) { return f.kind == FailureKind::kStoreLost; });
+    // The store write happens on the detector thread, so revoke() never blocks on the store.
+    if ((first || !fresh.empty()) && !store_lost) pending_revoke_ = why + "\n" + serialize(all);
+  }
+  cv_.notify_all();
+  if (!first && fresh.empty()) return;
+  std::string message = fmt::format(
+      "{}communicator '{}' epoch {} revoked ({}): {}. Operations on it fail; call shrink() on the survivors "
+      "(crossbar::ft) to continue without the failed ranks",
+      errorContext(rank_, "fault tolerance"), comm_->name(), epoch_, why,
+      all.empty() ? std::string("no rank blamed") : describeAll(all));
+  if (first) {
+    CB_WARN("ft", "{}", message);
+    comm_->abort(why, errorFor(all, message));
+  }
+  fire(FailureEvent{epoch_, first ? all : fresh, true, message});
+}
+
+void FailureDetector::flushRevoke() {
+  std::string text;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    text.swap(pending_revoke_);
+  }
+  if (text.empty()) return;
+  try {
+    // First writer wins; later ones add their own findings under their rank.
+    store_->compareSet("revoked", {}, toBytes(text));
+    store_->set(fmt::format("revoked_by/{}", rank_), text);
+  } catch (const std::exception& e) {
+    CB_WARN("ft", "could not publish the revoke of epoch {}: {}", epoch_, e.what());
+  }
+}
+
+void FailureDetector::adopt(const std::string& text) {
+  std::istringstream in(text);
+  std::string why;
+  std::getline(in, why);
+  auto faults = parseFaults(in);
+  std::vector<PeerFault> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (revoked_.exchange(true)) return;
+    merge(faults_, faults);
+    all = faults_;
+  }
+  std::string message = fmt::format(
+      "{}communicator '{}' epoch {} was revoked by another rank ({}): {}. Call shrink() on the survivors "
+      "(crossbar::ft) to continue without the failed ranks",
+      errorContext(rank_, "fault tolerance"), comm_->name(), epoch_, why,
+      all.empty() ? std::string("no rank blamed") : describeAll(all));
+  CB_WARN("ft", "{}", message);
+  comm_->abort(why, errorFor(all, message));
+  fire(FailureEvent{epoch_, all, false, message});
+}
+
+std::vector<PeerFault> FailureDetector::classify(const std::vector<int>& ranks) {
+  // Dead: the pid check says so. Alive: its heartbeat moves after this call began
+  // (then the transport, not the process, failed). A revoke by someone else first
+  // means the error was only the consequence of their abort.
+  const auto start = Clock::now();
+  const Deadline deadline = Deadline::after(detect_timeout_ + 4 * heartbeat_interval_);
+  std::vector<PeerFault> found;
+  std::set<int> pending(ranks.begin(), ranks.end());
+  pending.erase(rank_);
+  for (const auto& f : faults()) pending.erase(f.rank);
+  while (!pending.empty() && !revoked_.load()) {
+    for (auto it = pending.begin(); it != pending.end();) {
+      int r = *it;
+      char state;
+      bool moved;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        moved = r < static_cast<int>(last_change_.size()) && last_change_[r] > start + heartbeat_interval_;
+      }
+      if (r < 0 || r >= static_cast<int>(members_.size())) {
+        it = pending.erase(it);
+      } else if (processGone(r, &state)) {
+        found.push_back(PeerFault{r, FailureKind::kDead, members_[r].host, members_[r].pid, rank_,
+                                  "transport hang-up; process gone"});
+        it = pending.erase(it);
+      } else if (moved) {
+        found.push_back(PeerFault{r, FailureKind::kUnreachable, members_[r].host, members_[r].pid, rank_,
+                                  "transport failed while its heartbeat continues"});
+        it = pending.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (pending.empty()) break;
+    if (deadline.expired()) {
+      for (int r : pending)
+        found.push_back(PeerFault{r, FailureKind::kHung, members_[r].host, members_[r].pid, rank_,
+                                  "transport failed and no heartbeat since"});
+      break;
+    }
+    std::this_thread::sleep_for(Millis(10));
+  }
+  if (!found.empty() || !revoked_.load()) revoke(found, fmt::format("detected by rank {}", rank_));
+  return faults();
+}
+
+void FailureDetector::fire(const FailureEvent& event) {
+  if (!callbacks_) return;
+  std::vector<FailureCallback> list;
+  {
+    std::lock_guard<std::mutex> lock(callbacks_->mu);
+    list = callbacks_->list;
+  }
+  for (auto& cb : list) {
+    try {
+      cb(event);
+    } catch (const std::exception& e) {
+      CB_WARN("ft", "failure callback threw: {}", e.what());
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------
+// FaultTolerantComm
+
+std::string FaultTolerantComm::epochPrefix(uint64_t epoch) const { return fmt::format("e{}", epoch); }
+
+std::shared_ptr<Store> FaultTolerantComm::epochStore(uint64_t epoch, bool detector) const {
+  return std::make_shared<PrefixStore>(epochPrefix(epoch), detector ? detector_store_ : store_);
+}
+
+std::unique_ptr<FaultTolerantComm> FaultTolerantComm::create(std::shared_ptr<Store> store, int rank, int size,
+                                                             FtOptions options) {
+  if (!store) throw InvalidArgument(errorContext(rank, "ft create") + "store is null");
+  if (size <= 0 || rank < 0 || rank >= size)
+    throw InvalidArgument(fmt::format("{}rank {} / size {} is out of range", errorContext(rank, "ft create"), rank, size));
+  std::unique_ptr<FaultTolerantComm> ft(new FaultTolerantComm());
+  ft->options_ = options;
+  ft->callbacks_ = std::make_shared<CallbackList>();
+  ft->store_ = std::make_shared<PrefixStore>("crossbar/ft/" + options.name, store);
+  ft->detector_store_ = options.detector_store
+                            ? std::make_shared<PrefixStore>("crossbar/ft/" + options.name, options.detector_store)
+                            : ft->store_;
+  ft->detect_timeout_ = resolve(options.detect_timeout, "CROSSBAR_FT_DETECT_TIMEOUT");
+  ft->heartbeat_interval_ = resolve(options.heartbeat_interval, "CROSSBAR_FT_HEARTBEAT");
+  // Everyone learns everyone's process (for pid liveness and to recognise itself later).
+  auto e0 = ft->epochStore(0, false);
+  Member me = thisProcess();
+  e0->set(fmt::format("member/{}", rank), memberLine(rank, me));
+  auto deadline = Deadline::after(Millis(env::getMillis("CROSSBAR_CONNECT_TIMEOUT")));
+  std::string decision = "create 0\n";
+  for (int r = 0; r < size; ++r) {
+    try {
+      decision += toString(e0->get(fmt::format("member/{}", r), deadline));
+    } catch (const Timeout&) {
+      throw Timeout(fmt::format("{}rank {} never joined the fault-tolerant communicator '{}' (size {})",
+                                errorContext(rank, "ft create"), r, options.name, size),
+                    {r});
+    }
+  }
+  ft->epoch_ = 0;
+  ft->applyDecision(decision, /*first=*/true);
+  return ft;
+}
+
+std::unique_ptr<FaultTolerantComm> FaultTolerantComm::join(std::shared_ptr<Store> store, FtOptions options) {
+  if (!store) throw InvalidArgument(errorContext(-1, "ft join") + "store is null");
+  std::unique_ptr<FaultTolerantComm> ft(new FaultTolerantComm());
+  ft->options_ = options;
+  ft->callbacks_ = std::make_shared<CallbackList>();
+  ft->store_ = std::make_shared<PrefixStore>("crossbar/ft/" + options.name, store);
+  ft->detector_store_ = options.detector_store
+                            ? std::make_shared<PrefixStore>("crossbar/ft/" + options.name, options.detector_store)
+                            : ft->store_;
+  ft->detect_timeout_ = resolve(options.detect_timeout, "CROSSBAR_FT_DETECT_TIMEOUT");
+  ft->heartbeat_interval_ = resolve(options.heartbeat_interval, "CROSSBAR_FT_HEARTBEAT");
+  Millis timeout = options.comm.timeout.count() > 0 ? options.comm.timeout : defaultTimeout();
+  int64_t slot = ft->store_->add("joinq/count", 1) - 1;
+  ft->store_->set(fmt::format("joinq/{}", slot), memberLine(-1, thisProcess()));
+  CB_INFO("ft", "joining '{}' as candidate {}", options.name, slot);
+  uint64_t epoch = 0;
+  try {
+    epoch = std::stoull(toString(ft->store_->get(fmt::format("joinq/{}/epoch", slot), Deadline::after(timeout))));
+  } catch (const Timeout&) {
+    throw Timeout(fmt::format("{}no member of '{}' admitted this process within {} ms; the members must call "
+                              "grow() (candidate {} in the join queue)",
+                              errorContext(-1, "ft join"), options.name, timeout.count(), slot));
+  }
+  ft->epoch_ = epoch - 1;
+  std::string decision = toString(ft->store_->get(fmt::format("e{}/decision", epoch - 1), Deadline::after(timeout)));
+  ft->applyDecision(decision, /*first=*/true);
+  return ft;
+}
+
+FaultTolerantComm::~FaultTolerantComm() {
+  if (detector_) detector_->stop();
+  detector_.reset();
+  comm_.reset();
+}
+
+void FaultTolerantComm::onFailure(FailureCallback callback) {
+  std::lock_guard<std::mutex> lock(callbacks_->mu);
+  callbacks_->list.push_back(std::move(callback));
+}
+
+void FaultTolerantComm::abort(const std::string& reason) { detector_->revoke({}, reason); }
+
+std::vector<PeerFault> FaultTolerantComm::handleError(const std::exception& error) {
+  auto* e = dynamic_cast<const Error*>(&error);
+  if (detector_->revoked()) return detector_->faults();
+  if (e && !e->peers().empty() && (e->code() == ErrorCode::kPeerFailure || e->code() == ErrorCode::kTimeout))
+    return detector_->classify(e->peers());
+  detector_->revoke({}, error.what());
+  return detector_->faults();
+}
+
+void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int my_rank) {
+  CommOptions co = options_.comm;
+  co.epoch = epoch;
+  if (co.name.empty()) co.name = options_.name;
+  auto ctx_store = std::make_shared<PrefixStore>(epochPrefix(epoch) + "/ctx", store_);
+  comm_ = Communicator::create(ctx_store, my_rank, static_cast<int>(members.size()), co);
+  epoch_ = epoch;
+  members_ = members;
+  detector_ = std::make_unique<FailureDetector>(epochStore(epoch, true), comm_, std::move(members), detect_timeout_,
+                                                heartbeat_interval_, callbacks_);
+  if (my_rank == 0) store_->set("epoch", std::to_string(epoch));
+}
+
+std::string FaultTolerantComm::awaitDecision(const std::function<std::string()>& leader_decide, bool shrinking) {
+  auto es = epochStore(epoch_, false);
+  const Deadline overall = comm_->defaultDeadline();
+  const std::string op = shrinking ? "shrink" : "grow";
+  while (true) {
+    if (es->check({"decision"})) return toString(es->get("decision", overall));
+    std::set<int> failed;
+    for (const auto& f : detector_->faults()) failed.insert(f.rank);
+    int leader = 0;
+    while (failed.count(leader)) ++leader;
+    if (leader == comm_->rank()) return leader_decide();
+    try {
+      return toString(es->get("decision", Deadline::after(std::max(Millis(200), 2 * heartbeat_interval_)).min(overall)));
+    } catch (const Timeout&) {
+      if (overall.expired())
+        throw Timeout(fmt::format("{}rank {} (host {}) did not publish the membership of epoch {} in time",
+                                  errorContext(comm_->rank(), op), leader, members_[leader].host, epoch_ + 1),
+                      {leader});
+    }
+  }
+}
+
+std::shared_ptr<Communicator> FaultTolerantComm::shrink() {
+  const int me = comm_->rank(), n = comm_->size();
+  if (!detector_->revoked()) detector_->revoke({}, fmt::format("rank {} called shrink()", me));
+  auto es = epochStore(epoch_, false);
+  es->set(fmt::format("view/{}", me), serialize(detector_->faults()));
+
+  auto decide = [&]() -> std::string {
+    // Collect the survivors' views until every rank nobody blames has posted one.
+    const Deadline views_deadline = Deadline::after(2 * detect_timeout_);
+    std::map<int, std::vector<PeerFault>> views;
+    views[me] = detector_->faults();
+    while (true) {
+      std::set<int> blamed;
+      for (auto& [r, v] : views)
+        for (auto& f : v) blamed.insert(f.rank);
+      for (auto& f : detector_->faults()) blamed.insert(f.rank);
+      bool waiting = false;
+      for (int r = 0; r < n; ++r) {
+        if (views.count(r) || blamed.count(r)) continue;
+        std::string key = fmt::format("view/{}", r);
+        if (es->check({key}))
+          views[r] = parseFaults(toString(es->get(key, views_deadline)));
+        else
+          waiting = true;
+      }
+      if (!waiting || views_deadline.expired()) break;
+      std::this_thread::sleep_for(Millis(5));
+    }
+    // Accusations in rank order; an excluded rank's accusations no longer count, and
+    // one against the leader excludes the accuser (one side of a cut link must go).
+    std::set<int> excluded;
+    for (auto& [accuser, view] : views) {
+      if (excluded.count(accuser)) continue;
+      for (auto& f : view) {
+        if (f.rank < 0 || f.rank >= n) continue;
+        if (f.rank == me) {
+          excluded.insert(accuser);
+          break;
+        }
+        excluded.insert(f.rank);
+      }
+    }
+    std::string text = fmt::format("shrink {}\n", epoch_ + 1);
+    for (auto& [r, view] : views)
+      if (!excluded.count(r)) text += memberLine(r, members_[r]);
+    CB_INFO("ft", "rank {} decides epoch {}: {} of {} ranks stay", me, epoch_ + 1,
+            std::count(text.begin(), text.end(), '\n') - 1, n);
+    return toString(es->compareSet("decision", {}, toBytes(text)));
+  };
+  return applyDecision(awaitDecision(decide, true), false);
+}
+
+std::shared_ptr<Communicator> FaultTolerantComm::grow(int target_size) {
+  const int n = comm_->size();
+  if (target_size <= n)
+    throw InvalidArgument(fmt::format("{}target size {} is not larger than the current size {}",
+                                      errorContext(comm_->rank(), "grow"), target_size, n));
+  const int need = target_size - n;
+  auto es = epochStore(epoch_, false);
+  auto decide = [&]() -> std::string {
+    int64_t first = store_->add("joinq/next", 0);
+    std::vector<std::string> keys;
+    for (int i = 0; i < need; ++i) keys.push_back(fmt::format("joinq/{}", first + i));
+    try {
+      store_->wait(keys, comm_->defaultDeadline());
+    } catch (const Timeout&) {
+      throw Timeout(fmt::format("{}only {} of {} replacement processes called join() within {} ms",
+                                errorContext(comm_->rank(), "grow"), store_->add("joinq/count", 0) - first, need,
+                                comm_->timeout().count()));
+    }
+    std::string text = fmt::format("grow {}\n", epoch_ + 1);
+    for (int r = 0; r < n; ++r) text += memberLine(r, members_[r]);
+    for (auto& k : keys) text += toString(store_->get(k, comm_->defaultDeadline()));
+    std::string stored = toString(es->compareSet("decision", {}, toBytes(text)));
+    if (stored == text) {
+      store_->add("joinq/next", need);
+      for (int i = 0; i < need; ++i) store_->set(fmt::format("joinq/{}/epoch", first + i), std::to_string(epoch_ + 1));
+    }
+    return stored;
+  };
+  return applyDecision(awaitDecision(decide, false), false);
+}
+
+std::shared_ptr<Communicator> FaultTolerantComm::applyDecision(const std::string& decision, bool first) {
+  std::istringstream in(decision);
+  std::string kind;
+  uint64_t epoch = 0;
+  in >> kind >> epoch;
+  std::vector<Member> members;
+  int my_rank = -1;
+  const Member me = thisProcess();
+  std::string line;
+  std::getline(in, line);
+  while (std::getline(in, line)) {
+    std::istringstream l(line);
+    int old_rank;
+    Member m;
+    if (!(l >> old_rank >> m.host >> m.pid)) continue;
+    if (m.host == me.host && m.pid == me.pid) my_rank = static_cast<int>(members.size());
+    members.push_back(m);
+  }
+  const uint64_t old_epoch = epoch_;
+  if (detector_) detector_->stop();
+  detector_.reset();
+  if (comm_ && !comm_->aborted()) comm_->abort(fmt::format("epoch {} replaced by epoch {}", old_epoch, epoch));
+  comm_.reset();
+  if (my_rank < 0)
+    throw Excluded(fmt::format("{}this process ({}) is not a member of epoch {} of '{}': the survivors agreed "
+                               "without it (it was considered failed: dead, hung or unreachable). It must not "
+                               "use this communicator again; exit, or call join() as a new process",
+                               errorContext(-1, first ? "ft join" : kind), me.id(), epoch, options_.name));
+  CB_INFO("ft", "entering epoch {} ({}) as rank {} of {}", epoch, kind, my_rank, members.size());
+  enter(epoch, std::move(members), my_rank);
+  return comm_;
+}
+
+}  // namespace crossbar::ft

@@ -1,0 +1,197 @@
+// Fault-tolerant communicators: detect failed ranks, revoke, shrink to the
+// survivors and grow back with replacement processes, without restarting the job.
+//
+// A FaultTolerantComm wraps a Communicator of one *epoch*. Every epoch has its own
+// store namespace ("crossbar/ft/<name>/e<k>/..."), its own Context (transports) and
+// its own FailureDetector thread that
+//   * checks same-host peers' processes (/proc/<pid>/stat: gone or zombie = dead),
+//   * exchanges heartbeats through the store (no progress for detect_timeout = hung,
+//     reported as Timeout, never as dead),
+//   * watches the epoch's revoke key: the first rank that detects a failure writes it
+//     and every survivor aborts the epoch's pending work with PeerFailure/Timeout
+//     naming the failed ranks and hosts,
+//   * treats a store that stays unreachable for detect_timeout as a fatal error.
+// shrink(): survivors post their views; the lowest live rank decides the member list
+// of the next epoch (compare-and-set on the epoch's decision key, so there is one
+// decision); a rank that is not in it (e.g. it was only stopped) gets Excluded.
+// grow(n): replacement processes call join(); rank 0 admits them in arrival order.
+//
+// The store must outlive every rank (crossbar-store, or the launcher's). Use a
+// separate store connection for the detector (FtOptions::detector_store) when the
+// store is a TcpStore: its client serializes calls, and a long blocking get() on the
+// main connection would delay heartbeats.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/errors.h"
+#include "comm/store.h"
+
+namespace crossbar::ft {
+
+enum class FailureKind {
+  kDead,         // process gone (pid check) or transport hang-up confirmed by a stopped heartbeat
+  kHung,         // alive (or unknown) but no heartbeat for detect_timeout: Timeout
+  kUnreachable,  // alive and heartbeating, but the transport to it failed (cut link)
+  kStoreLost,    // the store did not answer for detect_timeout
+};
+const char* failureKindName(FailureKind kind);
+
+struct PeerFault {
+  int rank = -1;  // in the epoch's communicator
+  FailureKind kind = FailureKind::kDead;
+  std::string host;
+  int pid = 0;
+  int reporter = -1;  // rank that detected it
+  std::string detail;  // how it was detected ("process gone", "stopped (state T)", ...)
+  std::string describe() const;  // "rank 3 (host a, pid 12) died"
+};
+
+struct FailureEvent {
+  uint64_t epoch = 0;
+  std::vector<PeerFault> faults;
+  bool local = false;   // detected by this rank (false: learnt from another rank's revoke)
+  std::string message;  // what the aborted operations report
+};
+using FailureCallback = std::function<void(const FailureEvent&)>;
+struct CallbackList;  // thread-safe list shared by the epochs' detectors
+
+// Thrown by shrink()/grow() on a rank the agreed membership left out.
+class Excluded : public Aborted {
+ public:
+  using Aborted::Aborted;
+};
+
+struct FtOptions {
+  CommOptions comm;               // for each epoch's Communicator (epoch is set by ft)
+  std::string name = "ft";        // store namespace: several FT communicators can share a store
+  Millis detect_timeout{0};       // 0: CROSSBAR_FT_DETECT_TIMEOUT
+  Millis heartbeat_interval{0};   // 0: CROSSBAR_FT_HEARTBEAT
+  std::shared_ptr<Store> detector_store;  // default: the main store (see above)
+};
+
+// One member of an epoch: enough to check liveness and to recognise itself.
+struct Member {
+  std::string host;
+  int pid = 0;
+  std::string id() const;  // "host:pid"
+};
+
+// Background failure detection for one epoch's communicator.
+class FailureDetector {
+ public:
+  FailureDetector(std::shared_ptr<Store> epoch_store, std::shared_ptr<Communicator> comm,
+                  std::vector<Member> members, Millis detect_timeout, Millis heartbeat_interval,
+                  std::shared_ptr<CallbackList> callbacks);
+  ~FailureDetector();
+  FailureDetector(const FailureDetector&) = delete;
+  FailureDetector& operator=(const FailureDetector&) = delete;
+
+  uint64_t epoch() const { return epoch_; }
+  Millis detectTimeout() const { return detect_timeout_; }
+  // Faults known here: detected locally or read from the revoke key.
+  std::vector<PeerFault> faults() const;
+  bool revoked() const { return revoked_.load(); }
+  // Marks the epoch failed for everyone (first writer of the revoke key wins) and
+  // aborts local pending work. Idempotent; an empty list revokes without blame.
+  void revoke(std::vector<PeerFault> faults, const std::string& why);
+  // Classifies ranks a transport error named (dead / hung / unreachable) and revokes.
+  // Peers that turn out to be alive count as unreachable only if nobody revoked the
+  // epoch meanwhile (a survivor's abort is not a cut link).
+  std::vector<PeerFault> classify(const std::vector<int>& ranks);
+  void stop();
+
+ private:
+  void run();
+  void tick(bool heartbeat);
+  void flushRevoke();  // writes a pending revoke to the store (detector thread / stop())
+  void adopt(const std::string& revoke_text);  // a revoke written by someone else
+  void fire(const FailureEvent& event);
+  std::exception_ptr errorFor(const std::vector<PeerFault>& faults, const std::string& message) const;
+  bool processGone(int rank, char* state) const;
+
+  std::shared_ptr<Store> store_;  // this epoch's namespace, detector connection
+  std::shared_ptr<Communicator> comm_;
+  std::vector<Member> members_;
+  uint64_t epoch_ = 0;
+  int rank_ = 0;
+  Millis detect_timeout_, heartbeat_interval_;
+  std::shared_ptr<CallbackList> callbacks_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::vector<PeerFault> faults_;
+  std::atomic<bool> revoked_{false};
+  std::vector<int64_t> last_hb_;
+  std::vector<Clock::time_point> last_change_;
+  Clock::time_point last_tick_, last_heartbeat_, store_ok_since_;
+  bool store_failing_ = false;
+  std::string pending_revoke_;  // revoke text not yet in the store
+  std::thread thread_;
+};
+
+class FaultTolerantComm {
+ public:
+  // Collective over the `size` initial ranks (epoch 0).
+  static std::unique_ptr<FaultTolerantComm> create(std::shared_ptr<Store> store, int rank, int size,
+                                                   FtOptions options = {});
+  // A new process (replacement) asks to join; returns once the members' grow()
+  // admitted it, as a member of the new epoch. Timeout after options.comm.timeout.
+  static std::unique_ptr<FaultTolerantComm> join(std::shared_ptr<Store> store, FtOptions options = {});
+  ~FaultTolerantComm();
+
+  const std::shared_ptr<Communicator>& comm() const { return comm_; }
+  FailureDetector& detector() const { return *detector_; }
+  uint64_t epoch() const { return epoch_; }
+  int rank() const { return comm_->rank(); }
+  int size() const { return comm_->size(); }
+  // Called from the detector thread on every failure event (keep them short).
+  void onFailure(FailureCallback callback);
+
+  // Turns an error from an operation on comm() into faults (dead / hung / unreachable)
+  // and revokes the epoch. Safe to call with any exception.
+  std::vector<PeerFault> handleError(const std::exception& error);
+
+  // Collective over the survivors: agree on the members of epoch+1 (failed and slow
+  // ranks left out, ranks renumbered in old order), rebuild transports, continue.
+  // Throws Excluded on a rank that the agreement left out.
+  std::shared_ptr<Communicator> shrink();
+  // Collective over the members: admit target_size - size() joiners (in arrival order).
+  std::shared_ptr<Communicator> grow(int target_size);
+
+  // Nonblocking, thread-safe, idempotent: revokes the epoch for everyone and fails pending work.
+  void abort(const std::string& reason);
+
+ private:
+  FaultTolerantComm() = default;
+  // Builds epoch `epoch` from the member list; `my_rank` indexes into it.
+  void enter(uint64_t epoch, std::vector<Member> members, int my_rank);
+  std::string epochPrefix(uint64_t epoch) const;
+  std::shared_ptr<Store> epochStore(uint64_t epoch, bool detector) const;
+  // Waits for the transition decision of the current epoch (leader writes it via `decide`).
+  std::string awaitDecision(const std::function<std::string()>& leader_decide, bool shrinking);
+  // Leaves the current epoch and enters the one `decision` describes (Excluded if not in it).
+  std::shared_ptr<Communicator> applyDecision(const std::string& decision, bool first);
+
+  std::shared_ptr<Store> store_;           // "crossbar/ft/<name>" namespace
+  std::shared_ptr<Store> detector_store_;  // same namespace, detector connection
+  FtOptions options_;
+  Millis detect_timeout_{0}, heartbeat_interval_{0};
+  uint64_t epoch_ = 0;
+  std::vector<Member> members_;
+  std::shared_ptr<Communicator> comm_;
+  std::unique_ptr<FailureDetector> detector_;
+  std::shared_ptr<CallbackList> callbacks_;
+};
+
+}  // namespace crossbar::ft

@@ -1,0 +1,98 @@
+// Helpers shared by the fault-tolerance tests and the recovery benchmark.
+#pragma once
+
+#include <dirent.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collectives/collectives.h"
+#include "comm/errors.h"
+#include "comm/ft.h"
+#include "comm/tcp_store.h"
+#include "harness/multiprocess.h"
+
+namespace crossbar::testing {
+
+// A second store connection for the detector thread (the TCP client serializes calls).
+inline std::shared_ptr<Store> detectorStore(const RankEnv& env) {
+  TcpStoreOptions so;
+  so.host = "127.0.0.1";
+  so.port = static_cast<uint16_t>(std::stoi(env.store_addr.substr(env.store_addr.rfind(':') + 1)));
+  return std::make_shared<TcpStore>(so);
+}
+
+inline ft::FtOptions ftOptions(const RankEnv& env) {
+  ft::FtOptions o;
+  o.detector_store = detectorStore(env);
+  return o;
+}
+
+// Monotonic clock in ns; CLOCK_MONOTONIC is shared by every process on the machine.
+inline int64_t monoNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+// Closed-form data: exact in any reduction order.
+inline int32_t value(int rank, size_t i, uint32_t seed) {
+  return static_cast<int32_t>((rank + 1) * static_cast<int32_t>(i % 97) + static_cast<int32_t>(seed % 13));
+}
+
+// One verified collective: allreduce or alltoall, small (eager) or large (rendezvous).
+inline void step(Collectives& c, int iter, uint32_t seed) {
+  const int n = c.comm().size(), me = c.comm().rank();
+  const size_t count = (iter % 4 < 2) ? 257 : 40'000;
+  if (iter % 2 == 0) {
+    std::vector<int32_t> in(count), out(count, -1);
+    for (size_t i = 0; i < count; ++i) in[i] = value(me, i, seed + iter);
+    c.allreduce(in.data(), out.data(), count, DataType::kInt32, ReduceOp::kSum)->wait();
+    for (size_t i = 0; i < count; ++i) {
+      int32_t want = 0;
+      for (int r = 0; r < n; ++r) want += value(r, i, seed + iter);
+      if (out[i] != want) {
+        ADD_FAILURE() << "allreduce iter " << iter << " element " << i << ": " << out[i] << " != " << want;
+        return;
+      }
+    }
+  } else {
+    const size_t block = count / 8 + 1;
+    std::vector<int32_t> in(block * n), out(block * n, -1);
+    for (int r = 0; r < n; ++r)
+      for (size_t j = 0; j < block; ++j) in[r * block + j] = value(me * 31 + r, j, seed + iter);
+    c.alltoall(in.data(), out.data(), block, DataType::kInt32)->wait();
+    for (int s = 0; s < n; ++s)
+      for (size_t j = 0; j < block; ++j)
+        if (out[s * block + j] != value(s * 31 + me, j, seed + iter)) {
+          ADD_FAILURE() << "alltoall iter " << iter << " from " << s << " element " << j;
+          return;
+        }
+  }
+}
+
+// Shared-memory segments mapped by this process, and open descriptors.
+inline int countShmMaps() {
+  std::ifstream in("/proc/self/maps");
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line))
+    if (line.find("crossbar-shm") != std::string::npos) ++n;
+  return n;
+}
+
+inline int countFds() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (readdir(d)) ++n;
+    closedir(d);
+  }
+  return n;
+}
+
+}  // namespace crossbar::testing
