@@ -1,0 +1,347 @@
+// MoE dispatch/combine (host path) against a closed-form reference: every rank regenerates
+// every rank's tokens and routing from (case, rank), so it knows exactly which rows it must
+// receive and what combine must return. One runRanks per topology keeps CI time small.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "collectives/float_types.h"
+#include "collectives/moe/moe.h"
+#include "collectives/moe/routing.h"
+#include "comm/errors.h"
+#include "harness/multiprocess.h"
+
+namespace crossbar::moe {
+namespace {
+
+using testing::RankEnv;
+using testing::RunOptions;
+using testing::runRanks;
+
+enum class Route { kRandom, kNodeLimited, kOneExpert, kEveryNode };
+
+struct Case {
+  Route route = Route::kRandom;
+  size_t hidden = 40;
+  int topk = 4;
+  int experts_per_rank = 4;
+  bool zero_tokens = false;
+  bool fractional = false;  // non-integer values (quantized formats)
+};
+
+struct Input {
+  size_t tokens = 0;
+  std::vector<float> xf;  // as float (exactly representable in bf16)
+  std::vector<int64_t> idx;
+  std::vector<float> w;
+};
+
+size_t tokensOf(const Case& c, int s) {
+  return c.zero_tokens ? 0 : (s == 1 ? 0 : 5 + 3 * s);
+}
+
+Input makeInput(const Case& c, int s, int R, int L) {
+  Input in;
+  in.tokens = tokensOf(c, s);
+  const int E = c.experts_per_rank * R, N = R / L, k = c.topk;
+  in.xf.resize(in.tokens * c.hidden);
+  for (size_t t = 0; t < in.tokens; ++t)
+    for (size_t h = 0; h < c.hidden; ++h) {
+      float v = static_cast<float>(static_cast<int>((s * 131 + t * 17 + h * 7) % 15) - 7);
+      if (c.fractional) v = v * 0.37f + 0.01f * static_cast<float>(h % 9) * (t % 2 ? 1.0f : 100.0f);
+      in.xf[t * c.hidden + h] = BFloat16::fromFloat(v).toFloat();
+    }
+  if (c.route == Route::kRandom || c.route == Route::kNodeLimited) {
+    RoutingOptions ro;
+    ro.num_experts = E;
+    ro.topk = k;
+    ro.num_groups = N;
+    ro.max_groups_per_token = c.route == Route::kNodeLimited ? std::max(1, N / 2) : -1;
+    ro.zipf_s = c.route == Route::kNodeLimited ? 1.2 : 0.0;
+    ro.seed = 42;
+    auto r = generateRouting(in.tokens, s, ro);
+    in.idx = r.topk_idx;
+    in.w = r.topk_weights;
+    for (size_t t = 0; t < in.tokens; t += 3) in.idx[t * k + k - 1] = -1;  // "no expert" entries
+  } else {
+    in.idx.assign(in.tokens * k, -1);
+    in.w.assign(in.tokens * k, 0.0f);
+    for (size_t t = 0; t < in.tokens; ++t)
+      for (int j = 0; j < k; ++j) {
+        if (c.route == Route::kOneExpert) {
+          if (j == 0) in.idx[t * k] = 0;
+        } else {  // one expert on every node (k >= N), spread over local ranks
+          int node = j % N, rank = node * L + static_cast<int>((t + j) % L);
+          in.idx[t * k + j] = static_cast<int64_t>(rank) * c.experts_per_rank + (t % c.experts_per_rank);
+        }
+        in.w[t * k + j] = 0.25f + 0.125f * j;
+      }
+  }
+  return in;
+}
+
+std::vector<uint8_t> toType(const std::vector<float>& xf, DataType t) {
+  std::vector<uint8_t> out(xf.size() * elementSize(t));
+  for (size_t i = 0; i < xf.size(); ++i) {
+    if (t == DataType::kFloat32) {
+      std::memcpy(out.data() + 4 * i, &xf[i], 4);
+    } else {
+      auto b = BFloat16::fromFloat(xf[i]);
+      std::memcpy(out.data() + 2 * i, &b, 2);
+    }
+  }
+  return out;
+}
+
+float elemAt(const std::vector<uint8_t>& x, DataType t, size_t i) {
+  if (t == DataType::kFloat32) {
+    float v;
+    std::memcpy(&v, x.data() + 4 * i, 4);
+    return v;
+  }
+  BFloat16 b;
+  std::memcpy(&b, x.data() + 2 * i, 2);
+  return b.toFloat();
+}
+
+// Expected value of a row after the format's round trip (the codec is deterministic).
+std::vector<float> roundTrip(const Input& in, size_t t, size_t H, PayloadFormat f, DataType dt) {
+  std::vector<float> row(in.xf.begin() + t * H, in.xf.begin() + (t + 1) * H);
+  if (f == PayloadFormat::kNative) return row;
+  PayloadCodec c = payloadCodec(f);
+  float g = 1.0f;
+  if (f == PayloadFormat::kNvfp4)
+    g = nvfp4GlobalScale(blockAmax(in.xf.data(), static_cast<int>(in.xf.size())));
+  std::vector<uint8_t> q(payloadBytes(c, H)), sc(scaleBytes(c, H) + 4);
+  std::vector<float> out(H);
+  if (dt == DataType::kFloat32) {
+    quantizeRow(c, row.data(), H, q.data(), sc.data(), g);
+    dequantizeRow(c, q.data(), sc.data(), H, out.data(), g);
+  } else {
+    std::vector<BFloat16> rb(H), ob(H);
+    for (size_t h = 0; h < H; ++h) rb[h] = BFloat16::fromFloat(row[h]);
+    quantizeRow(c, rb.data(), H, q.data(), sc.data(), g);
+    dequantizeRow(c, q.data(), sc.data(), H, ob.data(), g);
+    for (size_t h = 0; h < H; ++h) out[h] = ob[h].toFloat();
+  }
+  return out;
+}
+
+// Dispatch + combine of one case on one buffer; checks everything against the reference.
+void runCase(MoeBuffer& buf, const Case& c, int me, int R, int L, PayloadFormat f, DataType dt) {
+  SCOPED_TRACE(::testing::Message() << "route " << static_cast<int>(c.route) << " format "
+                                    << payloadFormatName(f));
+  const size_t H = c.hidden;
+  const int k = c.topk, epr = c.experts_per_rank;
+  Input mine = makeInput(c, me, R, L);
+  auto xin = toType(mine.xf, dt);
+
+  // Layout agrees with a direct count.
+  Layout lay = buf.layout(mine.idx.data(), mine.tokens, epr * R);
+  for (int r = 0; r < R; ++r) {
+    int cnt = 0;
+    for (size_t t = 0; t < mine.tokens; ++t) {
+      bool in = false;
+      for (int j = 0; j < k; ++j) in |= mine.idx[t * k + j] >= 0 && mine.idx[t * k + j] / epr == r;
+      cnt += in;
+      EXPECT_EQ(lay.is_token_in_rank[t * R + r], in ? 1 : 0);
+    }
+    EXPECT_EQ(lay.tokens_per_rank[r], cnt);
+  }
+
+  std::shared_ptr<const MoeHandle> handle;
+  for (int pass = 0; pass < 2; ++pass) {  // pass 1 reuses the handle (cached layout)
+    DispatchResult d = buf.dispatch(xin.data(), mine.tokens, mine.idx.data(), mine.w.data(), handle);
+    handle = d.handle;
+    // Reference: rows in (source rank, token) order.
+    size_t row = 0;
+    std::vector<int> per_expert(epr, 0);
+    std::vector<double> expect_scale;  // per row: sum of local weights (for the weighted combine)
+    for (int s = 0; s < R; ++s) {
+      Input in = makeInput(c, s, R, L);
+      int got_from_s = 0;
+      for (size_t t = 0; t < in.tokens; ++t) {
+        bool here = false;
+        for (int j = 0; j < k; ++j) here |= in.idx[t * k + j] >= 0 && in.idx[t * k + j] / epr == me;
+        if (!here) continue;
+        ++got_from_s;
+        ASSERT_LT(row, d.num_recv);
+        EXPECT_EQ(d.src_rank[row], s);
+        EXPECT_EQ(d.src_token[row], static_cast<int>(t));
+        double ws = 0;
+        for (int j = 0; j < k; ++j) {
+          int64_t e = in.idx[t * k + j];
+          bool local = e >= 0 && e / epr == me;
+          EXPECT_EQ(d.topk_idx[row * k + j], local ? e - me * epr : -1);
+          EXPECT_EQ(d.topk_weights[row * k + j], local ? in.w[t * k + j] : 0.0f);
+          if (local) ++per_expert[e - me * epr], ws += in.w[t * k + j];
+        }
+        expect_scale.push_back(ws);
+        auto want = roundTrip(in, t, H, f, dt);
+        for (size_t h = 0; h < H; ++h) {
+          float got = elemAt(d.x, dt, row * H + h);
+          ASSERT_EQ(got, want[h]) << "row " << row << " ch " << h;
+          // Sanity bound of the codec against the original (relative to the row's max).
+          float amax = 0;
+          for (size_t q = 0; q < H; ++q) amax = std::max(amax, std::fabs(in.xf[t * H + q]));
+          float tol = f == PayloadFormat::kNative  ? 0.0f
+                      : f == PayloadFormat::kNvfp4 ? 0.3f * amax
+                      : f == PayloadFormat::kMxfp8 ? 0.07f * std::fabs(in.xf[t * H + h]) + 0.13f * amax
+                                                   : 0.07f * std::fabs(in.xf[t * H + h]) + 1e-3f * amax;
+          ASSERT_LE(std::fabs(got - in.xf[t * H + h]), tol) << "row " << row << " ch " << h;
+        }
+        ++row;
+      }
+      EXPECT_EQ(d.recv_per_rank[s], got_from_s);
+    }
+    ASSERT_EQ(row, d.num_recv);
+    EXPECT_EQ(d.tokens_per_expert, per_expert);
+    EXPECT_EQ(d.metrics.dropped, 0u);
+    // Expert-major rows copy the right tokens.
+    for (int e = 0; e < epr; ++e)
+      for (int p = d.expert_offsets[e]; p < d.expert_offsets[e + 1]; ++p)
+        for (size_t h = 0; h < H; h += 7)
+          ASSERT_EQ(elemAt(d.x_expert_major, dt, p * H + h), elemAt(d.x, dt, d.expert_rows[p] * H + h));
+
+    // Combine with y = received x: unweighted, each rank adds x once (so x * #ranks),
+    // weighted by the local weight sums: x * (sum of the token's weights).
+    std::vector<float> w(d.num_recv);
+    for (size_t i = 0; i < d.num_recv; ++i) w[i] = static_cast<float>(expect_scale[i]);
+    CombineResult plain = buf.combine(d.x.data(), dt, *d.handle);
+    CombineResult weighted = buf.combine(d.x.data(), dt, *d.handle, w.data());
+    CombineResult em = buf.combineExpertMajor(d.x_expert_major.data(), dt, d, d.expert_weights.data());
+    ASSERT_EQ(plain.out.size(), mine.tokens * H);
+    for (size_t t = 0; t < mine.tokens; ++t) {
+      std::vector<int> ranks;
+      double wsum = 0;
+      for (int j = 0; j < k; ++j) {
+        int64_t e = mine.idx[t * k + j];
+        if (e < 0) continue;
+        wsum += mine.w[t * k + j];
+        if (std::find(ranks.begin(), ranks.end(), e / epr) == ranks.end())
+          ranks.push_back(static_cast<int>(e / epr));
+      }
+      auto want = roundTrip(mine, t, H, f, dt);
+      for (size_t h = 0; h < H; ++h) {
+        ASSERT_EQ(plain.out[t * H + h], want[h] * static_cast<float>(ranks.size())) << "token " << t;
+        ASSERT_NEAR(weighted.out[t * H + h], want[h] * wsum, 1e-4 * (1 + std::fabs(want[h])));
+        ASSERT_NEAR(em.out[t * H + h], want[h] * wsum, 1e-4 * (1 + std::fabs(want[h])));
+      }
+    }
+    if (pass == 0 && R / L > 1) {
+      EXPECT_EQ(d.metrics.inter_node_bytes, lay.remote_token_node_pairs * buf.rowBytes());
+      EXPECT_GE(d.metrics.network_dedup, 1.0);
+    }
+  }
+}
+
+void body(RankEnv& env) {
+  auto comm = env.communicator();
+  const int R = comm->size(), L = comm->localSize(), me = comm->rank();
+  const int N = R / L;
+  MoeConfig cfg;
+  cfg.max_tokens = 32;
+  cfg.hidden = 40;
+  cfg.topk = 4;
+  cfg.num_experts = 4 * R;
+
+  auto bf = MoeBuffer::create(comm, cfg);
+  runCase(*bf, Case{}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);
+  runCase(*bf, Case{.route = Route::kNodeLimited}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);
+  runCase(*bf, Case{.zero_tokens = true}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);
+  runCase(*bf, Case{.route = Route::kOneExpert}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);
+  if (N <= cfg.topk)
+    runCase(*bf, Case{.route = Route::kEveryNode}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);
+
+  // Invalid inputs (every rank passes the same kind, before any traffic).
+  std::vector<int64_t> bad(cfg.topk, 0);
+  std::vector<float> x(cfg.hidden, 1.0f), wts(cfg.topk, 1.0f);
+  bad[1] = cfg.num_experts;
+  EXPECT_THROW(bf->dispatch(x.data(), 1, bad.data(), wts.data()), InvalidArgument);
+  bad[1] = -2;
+  EXPECT_THROW(bf->layout(bad.data(), 1, cfg.num_experts), InvalidArgument);
+  EXPECT_THROW(bf->layout(bad.data(), 0, cfg.num_experts + 1), InvalidArgument);
+  EXPECT_THROW(bf->dispatch(x.data(), cfg.max_tokens + 1, bad.data(), wts.data()), InvalidArgument);
+  MoeConfig odd = cfg;
+  odd.num_experts = 4 * R + 1;
+  EXPECT_THROW(MoeBuffer::create(comm, odd), InvalidArgument);
+  // Still usable after rejected calls.
+  runCase(*bf, Case{}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);
+
+  MoeConfig f32 = cfg;
+  f32.dtype = DataType::kFloat32;
+  runCase(*MoeBuffer::create(comm, f32), Case{.fractional = true}, me, R, L, PayloadFormat::kNative,
+          DataType::kFloat32);
+
+  for (PayloadFormat f : {PayloadFormat::kFp8, PayloadFormat::kMxfp8, PayloadFormat::kNvfp4}) {
+    MoeConfig q = cfg;
+    q.format = f;
+    q.hidden = 200;  // partial last block for every codec
+    q.return_quantized = true;
+    runCase(*MoeBuffer::create(comm, q), Case{.hidden = 200, .fractional = true}, me, R, L, f,
+            DataType::kBFloat16);
+  }
+
+  // Capacity: one assignment per local expert; the rest are dropped and counted.
+  MoeConfig capped = cfg;
+  capped.expert_capacity = 1;
+  auto cb = MoeBuffer::create(comm, capped);
+  Input in = makeInput(Case{.route = Route::kOneExpert}, me, R, L);
+  auto xin = toType(in.xf, DataType::kBFloat16);
+  DispatchResult d = cb->dispatch(xin.data(), in.tokens, in.idx.data(), in.w.data());
+  size_t total = 0;
+  for (int s = 0; s < R; ++s) total += tokensOf(Case{}, s);
+  EXPECT_EQ(d.tokens_per_expert[0], me == 0 && total > 0 ? 1 : 0);
+  EXPECT_EQ(d.metrics.dropped, me == 0 && total > 0 ? total - 1 : 0);
+}
+
+void runTopology(int ranks, int per_node) {
+  RunOptions o;
+  if (per_node < ranks) o.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(per_node);
+  runRanks(ranks, body, o);
+}
+
+TEST(Moe, Topology1x2) {
+  runTopology(2, 2);
+}
+TEST(Moe, Topology1x4) {
+  runTopology(4, 4);
+}
+TEST(Moe, Topology2x2) {
+  runTopology(4, 2);
+}
+TEST(Moe, Topology4x2) {
+  runTopology(8, 2);
+}
+
+TEST(MoeRouting, NodeLimitedAndDeterministic) {
+  RoutingOptions o;
+  o.num_experts = 256;
+  o.topk = 8;
+  o.num_groups = 8;
+  o.max_groups_per_token = 4;
+  o.zipf_s = 1.0;
+  o.seed = 7;
+  auto a = generateRouting(64, 3, o), b = generateRouting(64, 3, o);
+  EXPECT_EQ(a.topk_idx, b.topk_idx);
+  for (size_t t = 0; t < 64; ++t) {
+    std::vector<int64_t> groups;
+    float s = 0;
+    for (int j = 0; j < 8; ++j) {
+      int64_t e = a.topk_idx[t * 8 + j];
+      ASSERT_GE(e, 0);
+      ASSERT_LT(e, 256);
+      groups.push_back(e / 32);
+      s += a.topk_weights[t * 8 + j];
+    }
+    std::sort(groups.begin(), groups.end());
+    EXPECT_LE(std::unique(groups.begin(), groups.end()) - groups.begin(), 4);
+    EXPECT_NEAR(s, 1.0f, 1e-5);
+  }
+  o.topk = 200;
+  EXPECT_THROW(generateRouting(1, 0, o), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace crossbar::moe
