@@ -1,0 +1,190 @@
+// moe_dispatch_perf: nccl-tests-style table of MoE dispatch and combine (collectives/moe)
+// by tokens per rank, hidden size and payload format. Self-launching:
+//   moe_dispatch_perf --nranks 8 --ranks-per-node 4 [--tokens 128,512] [--hidden 2048,7168]
+//                     [--formats native,fp8,mxfp8,nvfp4] [--experts 256] [--topk 8]
+//                     [--max-nodes M] [--zipf s] [--iters 20] [--warmup 5]
+// Network bandwidth counts distinct (token, node) pairs off the sender's node x hidden x
+// bytes per element (DeepEP's convention; scales excluded); time is the slowest rank's mean.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "collectives/collectives.h"
+#include "collectives/float_types.h"
+#include "collectives/moe/moe.h"
+#include "collectives/moe/routing.h"
+#include "comm/communicator.h"
+#include "comm/errors.h"
+#include "comm/local_launch.h"
+
+namespace crossbar::moe {
+namespace {
+
+struct Options {
+  int nranks = 2, ranks_per_node = 0, experts = 0, topk = 8, max_nodes = -1, iters = 20, warmup = 5;
+  double zipf = 0.0;
+  std::vector<size_t> tokens{128, 512}, hidden{2048, 7168};
+  std::vector<PayloadFormat> formats{PayloadFormat::kNative, PayloadFormat::kFp8, PayloadFormat::kMxfp8,
+                                     PayloadFormat::kNvfp4};
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t p = 0;
+  while (p <= s.size()) {
+    size_t q = s.find(',', p);
+    if (q == std::string::npos) q = s.size();
+    if (q > p) out.push_back(s.substr(p, q - p));
+    p = q + 1;
+  }
+  return out;
+}
+
+PayloadFormat parseFormat(const std::string& s) {
+  for (auto f : {PayloadFormat::kNative, PayloadFormat::kFp8, PayloadFormat::kMxfp8, PayloadFormat::kNvfp4})
+    if (s == payloadFormatName(f)) return f;
+  throw InvalidArgument("unknown format '" + s + "' (native, fp8, mxfp8, nvfp4)");
+}
+
+// Bytes per element on the wire, without scales.
+double elementBytes(PayloadFormat f) {
+  return f == PayloadFormat::kNative ? 2.0 : f == PayloadFormat::kNvfp4 ? 0.5 : 1.0;
+}
+
+double maxOverRanks(Collectives& coll, double v) {
+  coll.allreduce(&v, &v, 1, DataType::kFloat64, ReduceOp::kMax)->wait();
+  return v;
+}
+double sumOverRanks(Collectives& coll, double v) {
+  coll.allreduce(&v, &v, 1, DataType::kFloat64, ReduceOp::kSum)->wait();
+  return v;
+}
+
+int runRank(const Options& o, std::shared_ptr<Communicator> comm) {
+  using Clock = std::chrono::steady_clock;
+  Collectives coll(comm);
+  const int R = comm->size(), me = comm->rank();
+  const int E = o.experts > 0 ? o.experts : std::max(R, 256 / R * R);
+  auto print = [&](const std::string& s) {
+    if (me == 0) std::fputs(s.c_str(), stdout), std::fflush(stdout);
+  };
+  print(fmt::format(
+      "# moe_dispatch_perf: {} ranks, {} nodes x {}, {} experts, top-{}, max nodes/token {}, zipf {}\n", R,
+      comm->numNodes(), comm->localSize(), E, o.topk, o.max_nodes, o.zipf));
+  print(fmt::format("# {:>7} {:>7} {:>7} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8}\n", "tokens", "hidden",
+                    "format", "disp(us)", "net GB/s", "comb(us)", "net GB/s", "dedup", "imbal"));
+  for (size_t H : o.hidden)
+    for (PayloadFormat f : o.formats)
+      for (size_t T : o.tokens) {
+        MoeConfig cfg;
+        cfg.max_tokens = T;
+        cfg.hidden = H;
+        cfg.topk = o.topk;
+        cfg.num_experts = E;
+        cfg.format = f;
+        auto buf = MoeBuffer::create(comm, cfg);
+        RoutingOptions ro;
+        ro.num_experts = E;
+        ro.topk = o.topk;
+        ro.num_groups = comm->numNodes();
+        ro.max_groups_per_token = o.max_nodes;
+        ro.zipf_s = o.zipf;
+        auto routing = generateRouting(T, me, ro);
+        std::vector<BFloat16> x(T * H);
+        for (size_t i = 0; i < x.size(); ++i)
+          x[i] = BFloat16::fromFloat(static_cast<float>((i * 37 + me) % 97) / 97.0f);
+        Layout lay = buf->layout(routing.topk_idx.data(), T, E);
+        double disp = 0, comb = 0;
+        DispatchResult d;
+        for (int it = 0; it < o.warmup + o.iters; ++it) {
+          comm->barrier();
+          auto t0 = Clock::now();
+          d = buf->dispatch(x.data(), T, routing.topk_idx.data(), routing.topk_weights.data());
+          auto t1 = Clock::now();
+          buf->combine(d.x.data(), DataType::kBFloat16, *d.handle);
+          auto t2 = Clock::now();
+          if (it >= o.warmup) {
+            disp += std::chrono::duration<double>(t1 - t0).count();
+            comb += std::chrono::duration<double>(t2 - t1).count();
+          }
+        }
+        disp = maxOverRanks(coll, disp / o.iters);
+        comb = maxOverRanks(coll, comb / o.iters);
+        const double net = sumOverRanks(coll, lay.remote_token_node_pairs * H * elementBytes(f)) / R;
+        const double comb_net =
+            sumOverRanks(coll, lay.remote_token_node_pairs * H * 4.0) / R;  // f32 partials
+        const double dedup = sumOverRanks(coll, static_cast<double>(lay.token_expert_pairs)) /
+                             std::max(1.0, sumOverRanks(coll, static_cast<double>(lay.token_rank_pairs)));
+        const double imbal = maxOverRanks(coll, d.metrics.expert_imbalance);
+        print(fmt::format("  {:>7} {:>7} {:>7} {:>10.1f} {:>9.3f} {:>10.1f} {:>9.3f} {:>8.2f} {:>8.2f}\n", T,
+                          H, payloadFormatName(f), disp * 1e6, net / disp / 1e9, comb * 1e6,
+                          comb_net / comb / 1e9, dedup, imbal));
+      }
+  return 0;
+}
+
+}  // namespace
+}  // namespace crossbar::moe
+
+int main(int argc, char** argv) {
+  using namespace crossbar;
+  using namespace crossbar::moe;
+  Options o;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      auto next = [&]() -> std::string {
+        if (i + 1 >= argc) throw InvalidArgument(a + " needs a value");
+        return argv[++i];
+      };
+      if (a == "--nranks")
+        o.nranks = std::stoi(next());
+      else if (a == "--ranks-per-node")
+        o.ranks_per_node = std::stoi(next());
+      else if (a == "--experts")
+        o.experts = std::stoi(next());
+      else if (a == "--topk")
+        o.topk = std::stoi(next());
+      else if (a == "--max-nodes")
+        o.max_nodes = std::stoi(next());
+      else if (a == "--zipf")
+        o.zipf = std::stod(next());
+      else if (a == "--iters")
+        o.iters = std::max(1, std::stoi(next()));
+      else if (a == "--warmup")
+        o.warmup = std::stoi(next());
+      else if (a == "--tokens" || a == "--hidden") {
+        std::vector<size_t> v;
+        for (auto& s : split(next())) v.push_back(std::stoul(s));
+        (a == "--tokens" ? o.tokens : o.hidden) = v;
+      } else if (a == "--formats") {
+        o.formats.clear();
+        for (auto& s : split(next())) o.formats.push_back(parseFormat(s));
+      } else {
+        std::fprintf(stderr,
+                     "usage: %s [--nranks N] [--ranks-per-node K] [--tokens a,b] [--hidden a,b] "
+                     "[--formats native,fp8,mxfp8,nvfp4] [--experts E] [--topk k] [--max-nodes M] [--zipf s] "
+                     "[--iters n] [--warmup n]\n",
+                     argv[0]);
+        return a == "--help" || a == "-h" ? 0 : 2;
+      }
+    }
+    CommOptions copts;
+    if (o.ranks_per_node > 0) {
+      setenv("CROSSBAR_RANKS_PER_NODE", std::to_string(o.ranks_per_node).c_str(), 1);
+      copts.ranks_per_node = o.ranks_per_node;
+    }
+    auto exits = launchLocalRanks(o.nranks, [&](int rank, int size, std::shared_ptr<Store> store) {
+      return runRank(o, Communicator::create(std::move(store), rank, size, copts));
+    });
+    return combinedExitCode(exits);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", argv[0], e.what());
+    return 1;
+  }
+}
