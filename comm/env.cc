@@ -33,6 +33,12 @@ const std::vector<Variable>& all() {
       {"CROSSBAR_COPY_ENGINE_NT_THRESHOLD", Type::kSize, "1M", "Host copies of at least this many bytes use non-temporal (streaming) stores."},
       {"CROSSBAR_FT_DETECT_TIMEOUT", Type::kMillis, "5s", "Fault tolerance: a rank whose heartbeat stalls this long is reported hung (Timeout); also how long the store may be unreachable."},
       {"CROSSBAR_FT_HEARTBEAT", Type::kMillis, "100ms", "Fault tolerance: period of the failure detector (pid liveness, revoke checks); heartbeats go to the store every 2 periods."},
+      {"CROSSBAR_TELEMETRY", Type::kBool, "0", "Record step-aligned telemetry (per-op records, phases, memory) and write one JSON line per step."},
+      {"CROSSBAR_TELEMETRY_DIR", Type::kString, "crossbar-telemetry", "Directory of the per-rank telemetry files (rank<r>.jsonl); crossbar-report reads it."},
+      {"CROSSBAR_TELEMETRY_RING", Type::kInt, "8192", "Records per thread in the telemetry ring buffer (power of two); full rings drop records and count them."},
+      {"CROSSBAR_TELEMETRY_CREEP_BYTES", Type::kSize, "1M", "Memory creep threshold: host RSS growth per step (linear fit over the window) above this is flagged."},
+      {"CROSSBAR_TELEMETRY_STALL_MS", Type::kMillis, "20ms", "Data-loader stall: a rank's data phase this much longer than the median rank's (and 3x it) is flagged."},
+      {"CROSSBAR_TUNER_TABLE", Type::kString, "", "CSV tuning table of the NCCL tuner plugin (libnccl-tuner-crossbar.so): collective,min_bytes,max_bytes,nranks,nnodes,algorithm,protocol,channels."},
       {"CROSSBAR_COLL_SYMM_BYTES", Type::kSize, "8M", "Bytes of symmetric staging memory per rank for the host symmetric-memory collectives (two halves, double-buffered; created at the first such collective). 0 disables those algorithms."},
       {"CROSSBAR_COLL_SYMM_CHUNK", Type::kSize, "1M", "Largest pipelined chunk (bytes per rank) of the symmetric-memory collectives; capped at half of CROSSBAR_COLL_SYMM_BYTES."},
   };
