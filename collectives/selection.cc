@@ -170,8 +170,23 @@ constexpr int kAnyRanks = std::numeric_limits<int>::max();
 // point where moving 2(p-1)/p of the data in p-1 steps wins; measured on shm.
 const std::vector<SelectionRule>& selectionTable() {
   static const std::vector<SelectionRule> table = {
+      // One node: symmetric memory (symm_algorithms.cc). One-shot while reading every
+      // peer's whole buffer is cheaper than a second synchronization round; streaming
+      // output stores once the result no longer fits in cache with the staging.
+      {CollType::kAllreduce, 0, 64 * K, 1, 8, NodeScope::kSingle, "oneshot"},
+      {CollType::kAllreduce, 0, 1 * M, 1, kAnyRanks, NodeScope::kSingle, "twoshot"},
+      {CollType::kAllreduce, 1 * M, kInf, 1, kAnyRanks, NodeScope::kSingle, "twoshot_nt"},
+      {CollType::kAllgather, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
+      {CollType::kReduceScatter, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
+      {CollType::kBroadcast, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
+      {CollType::kReduce, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
+      {CollType::kAlltoall, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
+      {CollType::kAlltoallv, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
+      {CollType::kGather, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
+      {CollType::kScatter, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
+      // Several nodes: symmetric memory inside each node, point-to-point across.
+      {CollType::kAllreduce, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hierarchical_symm"},
       {CollType::kAllreduce, 0, 64 * K, 1, kAnyRanks, NodeScope::kAny, "rd"},
-      {CollType::kAllreduce, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hierarchical"},
       {CollType::kAllreduce, 64 * K, kInf, 1, kAnyRanks, NodeScope::kAny, "ring"},
       {CollType::kAllgather, 0, 256 * K, 1, kAnyRanks, NodeScope::kAny, "rd"},  // powers of 2
       {CollType::kAllgather, 0, 256 * K, 1, kAnyRanks, NodeScope::kAny, "bruck"},
