@@ -336,8 +336,12 @@ ShmTransport::ShmTransport(const TransportSetup& setup, const ShmTransportOption
   next_liveness_check_ = Clock::now();
   CB_INFO("shm", "shm transport up: {} peers, ring {} bytes, eager limit {} bytes, large messages via {}",
           peers_.size(), ring_bytes_, opt_.eager_limit,
-          opt_.large_path == ShmTransportOptions::LargePath::kCma ? "process_vm_readv (ring fallback)"
-                                                                  : "the ring");
+          opt_.large_path == ShmTransportOptions::LargePath::kRing ? std::string("the ring")
+          : opt_.large_path == ShmTransportOptions::LargePath::kCma
+              ? std::string("process_vm_readv")
+              : fmt::format("process_vm_readv up to {} bytes, "
+                            "the ring above",
+                            opt_.cma_max_bytes));
 }
 
 void ShmTransport::connectAll(const TransportSetup& setup) {
@@ -576,7 +580,9 @@ void ShmTransport::startRendezvous(Peer& p, RecvOp r, const Frame& f) {
     sendControl(p, kNack, f.id, r.capacity);
     return;
   }
-  if (p.cma_ok && opt_.large_path == ShmTransportOptions::LargePath::kCma) {
+  using LP = ShmTransportOptions::LargePath;
+  bool cma = opt_.large_path == LP::kCma || (opt_.large_path == LP::kAuto && f.size <= opt_.cma_max_bytes);
+  if (p.cma_ok && cma) {
     cma_.push_back(CmaOp{index_[p.rank], std::move(r), f.id, f.addr, f.size, 0});
     return;
   }

@@ -20,11 +20,13 @@ struct ShmTransportOptions {
   size_t eager_limit = 64 * 1024;
   // How rendezvous payloads move. kRing: streamed through the ring (two copies,
   // pipelined on both ranks' cores). kCma: one copy, the receiver reads the
-  // sender's buffer with process_vm_readv; silently falls back to the ring where
-  // the kernel refuses (EPERM: ptrace policy, other user). The ring is the default
-  // because it measured faster on our machines (process_vm_readv copied at about
-  // half of memcpy speed there); see the report in test_shm_transport.cc.
-  enum class LargePath { kRing, kCma } large_path = LargePath::kRing;
+  // sender's buffer with process_vm_readv. kAuto: CMA up to cma_max_bytes, the ring
+  // above. CMA silently falls back to the ring where the kernel refuses (EPERM:
+  // ptrace policy, other user). Measured on our 2-core VM: CMA wins for 1-16 MiB
+  // (about 5-9 GB/s vs 2-3), the ring wins from 64 MiB on (5-7 GB/s vs 1-2: the
+  // kernel copy runs at about half of memcpy speed once data leaves the cache).
+  enum class LargePath { kAuto, kRing, kCma } large_path = LargePath::kAuto;
+  size_t cma_max_bytes = 16 << 20;
   // Bytes moved per progress() call and peer before other work gets a turn.
   size_t chunk_bytes = 1 << 20;
   // Granularity at which a streaming producer publishes data and the consumer
