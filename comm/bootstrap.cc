@@ -115,9 +115,11 @@ uint64_t fnv1a(const std::string& s) {
   return h;
 }
 
-// A port in [20000, 60000) derived from a job id every rank sees alike.
+// A port in [20000, 32768) derived from a job id every rank sees alike. The range
+// stays below Linux's ephemeral ports (32768-60999), which any outgoing TCP
+// connection on the host (stores, UCX) may be holding.
 uint16_t derivedPort(const std::string& job_key) {
-  return static_cast<uint16_t>(20000 + fnv1a(job_key) % 40000);
+  return static_cast<uint16_t>(20000 + fnv1a(job_key) % 12768);
 }
 
 // Slurm's "2(x3),1" tasks-per-node syntax -> {2, 2, 2, 1}.

@@ -140,7 +140,7 @@ TEST(Bootstrap, Mpirun) {
   EXPECT_EQ(info.local_size, 4);
   EXPECT_EQ(info.store_host, "127.0.0.1");
   EXPECT_GE(info.store_port, 20000);
-  EXPECT_LT(info.store_port, 60000);
+  EXPECT_LT(info.store_port, 32768);
   EXPECT_FALSE(info.store_is_external);
   // Every rank of the job derives the same port; another job (almost surely) another.
   BootstrapInfo rank0 =
@@ -179,7 +179,7 @@ TEST(Bootstrap, Srun) {
   EXPECT_EQ(info.local_size, 4);
   EXPECT_EQ(info.store_host, "node01");  // first host of the node list: task 0 runs there
   EXPECT_GE(info.store_port, 20000);
-  EXPECT_LT(info.store_port, 60000);
+  EXPECT_LT(info.store_port, 32768);
   EXPECT_FALSE(info.store_is_external);
   // Same job, same port on every rank; another step, another port.
   EXPECT_EQ(
