@@ -8,6 +8,7 @@
 // full pre/post of reduce.h (premul-sum scaling, avg division), so every rank gets
 // bit-identical results, and nothing needs normalizing afterwards.
 #include <fmt/format.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <cstring>
@@ -26,6 +27,9 @@ namespace crossbar {
 
 namespace {
 constexpr size_t kAlign = 64;  // sub-blocks start on cache lines (no false sharing, aligned vectors)
+// How long a wait yields its core before blocking: long enough to cover a peer's
+// time slice when ranks outnumber cores, short enough not to burn an idle machine.
+constexpr Millis kYieldPhase{2};
 size_t roundDown(size_t v, size_t a) {
   return v / a * a;
 }
@@ -45,8 +49,20 @@ SymmStaging::SymmStaging(std::shared_ptr<Communicator> comm, size_t bytes, size_
   heap_ = symm::SymmetricHeap::create(comm_, o);
   buf_ = heap_.allocate(2 * half_);
   owed_.resize(size_);
+  seen_.assign(static_cast<size_t>(kChannels) * size_, 0);
   CB_INFO("coll", "{}: symmetric staging of 2 x {} bytes per rank, chunks of up to {} bytes", comm_->name(),
           half_, chunk_);
+}
+
+void SymmStaging::wait(int peer, int channel, Deadline deadline) {
+  const uint64_t want = ++seen_[static_cast<size_t>(channel) * size_ + peer];
+  auto reached = [&] { return buf_->signalValue(peer, channel) >= want; };
+  if (!reached()) {
+    for (int i = 0; i < 256 && !reached(); ++i) __builtin_ia32_pause();
+    const auto yield_until = Clock::now() + kYieldPhase;
+    while (!reached() && Clock::now() < yield_until) sched_yield();
+  }
+  buf_->waitSignal(peer, channel, deadline);  // returns at once if reached
 }
 
 void SymmStaging::acquire(int h, Deadline deadline) {
@@ -57,7 +73,7 @@ void SymmStaging::acquire(int h, Deadline deadline) {
     if (last == f.rend()) continue;
     size_t n = static_cast<size_t>(f.rend() - last);
     for (size_t i = 0; i < n; ++i) {
-      buf_->waitSignal(q, kFree, deadline);
+      wait(q, kFree, deadline);
       f.pop_front();
     }
   }
@@ -80,7 +96,7 @@ void SymmStaging::notifyAll(int channel) {
 
 void SymmStaging::waitAll(int channel, Deadline deadline) {
   for (int q = 0; q < size_; ++q)
-    if (q != rank_) buf_->waitSignal(q, channel, deadline);
+    if (q != rank_) wait(q, channel, deadline);
 }
 
 void SymmStaging::releaseAll() {

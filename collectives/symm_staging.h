@@ -51,7 +51,10 @@ class SymmStaging {
   // READY to `reader`, who now owes a FREE for half h.
   void publish(int h, int reader);
   void notify(int peer, int channel) { buf_->putSignal(peer, channel); }
-  void wait(int peer, int channel, Deadline deadline) { buf_->waitSignal(peer, channel, deadline); }
+  // Next signal from `peer` on `channel`: a short spin, then yielding the core (with
+  // more ranks than cores the peer may be waiting for this very core), then the
+  // symmetric buffer's blocking wait (futex, deadline, peer-failure checks).
+  void wait(int peer, int channel, Deadline deadline);
   void release(int owner) { buf_->putSignal(owner, kFree); }
 
   // Helpers over every peer but this rank.
@@ -68,6 +71,7 @@ class SymmStaging {
   size_t half_ = 0, chunk_ = 0;
   uint64_t base_ = 0;
   std::vector<std::deque<uint8_t>> owed_;  // by reader: halves it still has to release, oldest first
+  std::vector<uint64_t> seen_;             // [channel * size + peer]: signals consumed so far
 };
 
 // The staging areas of one Collectives, by communicator (the whole one, or the
