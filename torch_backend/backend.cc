@@ -206,6 +206,25 @@ void checkSameType(const at::Tensor& a, const at::Tensor& b, int rank, const cha
                                       scalarName(a.scalar_type()), scalarName(b.scalar_type())));
 }
 
+// OpTypes of the coalesced tensor collectives, where this torch version has them (they
+// only label the Work for logging and profiling).
+template <typename T>
+constexpr auto allgatherCoalescedType(int) -> decltype(T::ALLGATHER_INTO_TENSOR_COALESCED) {
+  return T::ALLGATHER_INTO_TENSOR_COALESCED;
+}
+template <typename T>
+constexpr T allgatherCoalescedType(...) {
+  return T::COALESCED;
+}
+template <typename T>
+constexpr auto reduceScatterCoalescedType(int) -> decltype(T::REDUCE_SCATTER_TENSOR_COALESCED) {
+  return T::REDUCE_SCATTER_TENSOR_COALESCED;
+}
+template <typename T>
+constexpr T reduceScatterCoalescedType(...) {
+  return T::COALESCED;
+}
+
 // A flat contiguous tensor of n elements, of t's dtype.
 at::Tensor flatLike(const at::Tensor& t, int64_t n) { return at::empty({n}, t.options()); }
 
@@ -438,10 +457,17 @@ CrossbarBackend::CrossbarBackend(const c10::intrusive_ptr<c10d::Store>& store, i
 }
 
 CrossbarBackend::~CrossbarBackend() {
+  // Not shutdown(): its goodbye barrier is collective, and ranks may release process
+  // groups in different orders (garbage collection, interpreter exit) -- they would wait
+  // on each other. destroy_process_group() calls shutdown() in the same order everywhere.
+  if (shut_down_) return;
+  shut_down_ = true;
   try {
-    shutdown();
+    stopThreads();
+    coll_.reset();
+    comm_.reset();
   } catch (...) {
-    // Destructors must not throw; shutdown problems were logged by the layers below.
+    // Destructors must not throw; the layers below logged what went wrong.
   }
 }
 
@@ -781,7 +807,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allgather_into_tensor_coalesced(
                             "each output needs input size x world size elements");
   }
   CollOptions o{timeoutOf(opts.timeout), "", 1.0};
-  return submit(c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED, "allgather_into_tensor_coalesced", outputs,
+  return submit(allgatherCoalescedType<c10d::OpType>(0), "allgather_into_tensor_coalesced", outputs,
                 o.timeout, [&](CrossbarWork& w) {
                   std::vector<std::function<void()>> post;
                   coll_->groupStart();
@@ -950,7 +976,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce_scatter_tensor_coalesced(
     rs.push_back(mapReduction(outputs[i].scalar_type(), opts.reduceOp, rank_, "reduce_scatter_tensor_coalesced"));
   }
   CollOptions o{timeoutOf(opts.timeout), "", rs.empty() ? 1.0 : rs[0].scalar};
-  return submit(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, "reduce_scatter_tensor_coalesced", outputs,
+  return submit(reduceScatterCoalescedType<c10d::OpType>(0), "reduce_scatter_tensor_coalesced", outputs,
                 o.timeout, [&](CrossbarWork& w) {
                   std::vector<std::function<void()>> post;
                   coll_->groupStart();

@@ -98,8 +98,11 @@ def _async_and_errors(rank, world):
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((2,), float(world)))
     if torch.cuda.is_available():
+        # A group of plain "crossbar" also takes CUDA tensors (devices=["cpu", "cuda"]).
+        whole = dist.new_group(backend="crossbar")
+        torch.cuda.set_device(rank % torch.cuda.device_count())
         with pytest.raises(crossbar.Unsupported, match="cpu:crossbar,cuda:nccl"):
-            dist.all_reduce(torch.ones(2, device="cuda"))
+            dist.all_reduce(torch.ones(2, device="cuda"), group=whole)
 
 
 def test_async_futures_and_errors():
