@@ -168,20 +168,42 @@ bool FailureDetector::processGone(int rank, char* state) const {
   return *state == 'Z' || *state == 'X';  // a zombie is dead, only not yet reaped
 }
 
+bool FailureDetector::leftCleanly(int rank) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (left_.count(rank)) return true;
+  }
+  try {
+    if (!store_->check({fmt::format("left/{}", rank)})) return false;
+  } catch (const std::exception&) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  left_.insert(rank);
+  return true;
+}
+
 void FailureDetector::tick(bool heartbeat) {
   const auto now = Clock::now();
   // If this thread itself was starved (loaded machine), peers' silence proves nothing.
-  if (now - last_tick_ > detect_timeout_ / 2)
+  if (now - last_tick_ > detect_timeout_ / 2) {
+    std::lock_guard<std::mutex> lock(mu_);
     for (auto& t : last_change_) t = now;
+  }
   last_tick_ = now;
 
   const int n = static_cast<int>(members_.size());
   std::vector<PeerFault> found;
   std::set<int> known;
   for (const auto& f : faults()) known.insert(f.rank);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    known.insert(left_.begin(), left_.end());
+  }
   auto fault = [&](int r, FailureKind kind, std::string detail) {
-    found.push_back(PeerFault{r, kind, members_[r].host, members_[r].pid, rank_, std::move(detail)});
     known.insert(r);
+    if (leftCleanly(r)) return;
+    found.push_back(PeerFault{r, kind, members_[r].host, members_[r].pid, rank_, std::move(detail)});
   };
   for (int r = 0; r < n; ++r) {
     char state;
@@ -196,14 +218,20 @@ void FailureDetector::tick(bool heartbeat) {
       for (int r = 0; r < n; ++r) {
         if (r == rank_ || known.count(r)) continue;
         int64_t v = store_->add(fmt::format("hb/{}", r), 0);
-        if (v != last_hb_[r]) {
-          last_hb_[r] = v;
-          last_change_[r] = now;
-        } else if (now - last_change_[r] > detect_timeout_) {
+        Clock::time_point changed;
+        {
+          std::lock_guard<std::mutex> lock(mu_);  // classify() reads last_change_
+          if (v != last_hb_[r]) {
+            last_hb_[r] = v;
+            last_change_[r] = now;
+          }
+          changed = last_change_[r];
+        }
+        if (now - changed > detect_timeout_) {
           char state;
           bool gone = processGone(r, &state);
           std::string detail =
-              fmt::format("no heartbeat for {} ms{}", std::chrono::duration_cast<Millis>(now - last_change_[r]).count(),
+              fmt::format("no heartbeat for {} ms{}", std::chrono::duration_cast<Millis>(now - changed).count(),
                           state == 'T' || state == 't' ? ", process stopped (state T)" : "");
           fault(r, gone ? FailureKind::kDead : FailureKind::kHung, detail);
         }
@@ -323,7 +351,7 @@ std::vector<PeerFault> FailureDetector::classify(const std::vector<int>& ranks) 
         std::lock_guard<std::mutex> lock(mu_);
         moved = r < static_cast<int>(last_change_.size()) && last_change_[r] > start + heartbeat_interval_;
       }
-      if (r < 0 || r >= static_cast<int>(members_.size())) {
+      if (r < 0 || r >= static_cast<int>(members_.size()) || leftCleanly(r)) {
         it = pending.erase(it);
       } else if (processGone(r, &state)) {
         found.push_back(PeerFault{r, FailureKind::kDead, members_[r].host, members_[r].pid, rank_,
@@ -438,8 +466,16 @@ std::unique_ptr<FaultTolerantComm> FaultTolerantComm::join(std::shared_ptr<Store
   return ft;
 }
 
-FaultTolerantComm::~FaultTolerantComm() {
-  if (detector_) detector_->stop();
+FaultTolerantComm::~FaultTolerantComm() { close(); }
+
+void FaultTolerantComm::close() {
+  if (!detector_) return;
+  try {
+    epochStore(epoch_, true)->set(fmt::format("left/{}", comm_->rank()), "1");
+  } catch (const std::exception& e) {
+    CB_WARN("ft", "could not announce leaving epoch {}: {}", epoch_, e.what());
+  }
+  detector_->stop();
   detector_.reset();
   comm_.reset();
 }

@@ -28,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -118,6 +119,7 @@ class FailureDetector {
   void fire(const FailureEvent& event);
   std::exception_ptr errorFor(const std::vector<PeerFault>& faults, const std::string& message) const;
   bool processGone(int rank, char* state) const;
+  bool leftCleanly(int rank);  // the rank closed its FaultTolerantComm (not a failure)
 
   std::shared_ptr<Store> store_;  // this epoch's namespace, detector connection
   std::shared_ptr<Communicator> comm_;
@@ -137,6 +139,7 @@ class FailureDetector {
   Clock::time_point last_tick_, last_heartbeat_, store_ok_since_;
   bool store_failing_ = false;
   std::string pending_revoke_;  // revoke text not yet in the store
+  std::set<int> left_;          // ranks that closed cleanly
   std::thread thread_;
 };
 
@@ -171,6 +174,9 @@ class FaultTolerantComm {
 
   // Nonblocking, thread-safe, idempotent: revokes the epoch for everyone and fails pending work.
   void abort(const std::string& reason);
+  // Leaves cleanly: peers' detectors will not report this process's exit as a failure.
+  // The destructor calls it; a process that exits without it looks dead, as it should.
+  void close();
 
  private:
   FaultTolerantComm() = default;

@@ -52,13 +52,17 @@ void expectOutcome(const std::vector<RankResult>& results, const std::vector<int
 // A random rank is SIGKILLed a random time into a random iteration of an
 // allreduce/alltoall loop; survivors must see PeerFailure naming it within the
 // bound, shrink, compute correctly, and have released the dead rank's memory.
-void killTrial(int n, uint32_t seed) {
+// ranks_per_node > 0 splits the ranks into virtual nodes, so peers on other nodes
+// are reached (and lost) over UCX.
+void killTrial(int n, uint32_t seed, int ranks_per_node = 0) {
   std::mt19937 rng(seed);
   const int victim = static_cast<int>(rng() % n);
   const int kill_iter = 2 + static_cast<int>(rng() % 6);
   const int delay_us = static_cast<int>(rng() % 3000);
-  SCOPED_TRACE(fmt::format("{} ranks, seed {}: rank {} dies in iteration {} after {} us", n, seed, victim,
-                           kill_iter, delay_us));
+  SCOPED_TRACE(fmt::format("{} ranks ({} per node), seed {}: rank {} dies in iteration {} after {} us", n,
+                           ranks_per_node, seed, victim, kill_iter, delay_us));
+  auto options = ftRun();
+  if (ranks_per_node > 0) options.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(ranks_per_node);
   auto results = runRanks(
       n,
       [&](RankEnv& env) {
@@ -66,6 +70,7 @@ void killTrial(int n, uint32_t seed) {
         auto coll = std::make_unique<Collectives>(ft->comm());
         step(*coll, 0, seed);
         const int maps0 = countShmMaps(), fds0 = countFds();
+        const bool victim_local = ft->comm()->nodeOf(victim) == ft->comm()->node();
         std::thread killer;
         try {
           for (int it = 1; it < 2000; ++it) {
@@ -82,20 +87,17 @@ void killTrial(int n, uint32_t seed) {
           if (killer.joinable()) killer.join();
           return;
         } catch (const Error& e) {
+          // The operation's own error may name a survivor that tore down first (a
+          // cascade); what the detector reports must name exactly the dead rank.
+          EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kAborted) << e.what();
+          auto faults = ft->handleError(e);
           const int64_t seen = monoNs();
-          EXPECT_EQ(e.code(), ErrorCode::kPeerFailure) << e.what();
-          EXPECT_TRUE(contains(e.peers(), victim)) << e.what();
-          EXPECT_NE(std::string(e.what()).find(fmt::format("rank {}", victim)), std::string::npos) << e.what();
           auto killed = std::stoll(toString(env.store->get("test/killed_at", Deadline::after(kSlack))));
           EXPECT_LT(seen - killed, (kDetect + kSlack).count() * 1'000'000LL) << "detection took too long";
-          auto faults = ft->handleError(e);
-          bool named = false;
-          for (auto& f : faults)
-            if (f.rank == victim) {
-              named = true;
-              EXPECT_EQ(f.kind, FailureKind::kDead) << f.describe();
-            }
-          EXPECT_TRUE(named);
+          ASSERT_EQ(faults.size(), 1u) << e.what();
+          EXPECT_EQ(faults[0].rank, victim) << faults[0].describe();
+          EXPECT_EQ(faults[0].kind, FailureKind::kDead) << faults[0].describe();
+          EXPECT_NE(faults[0].describe().find(fmt::format("rank {} (host", victim)), std::string::npos);
         }
         coll.reset();
         ft->shrink();
@@ -105,29 +107,48 @@ void killTrial(int n, uint32_t seed) {
         coll = std::make_unique<Collectives>(ft->comm());
         for (int it = 0; it < 4; ++it) step(*coll, it, seed + 1);
         // The dead peer's segments and sockets are gone with the old epoch's context.
-        EXPECT_LT(countShmMaps(), maps0);
-        EXPECT_LT(countFds(), fds0);
+        if (victim_local) {
+          EXPECT_LT(countShmMaps(), maps0);
+          EXPECT_LT(countFds(), fds0);
+        } else {
+          EXPECT_LE(countShmMaps(), maps0);
+          EXPECT_LE(countFds(), fds0);
+        }
         coll.reset();
         ft->comm()->barrier();
       },
-      ftRun(), /*expect_ok=*/false);
+      options, /*expect_ok=*/false);
   expectOutcome(results, {victim});
 }
 
 TEST(FtKill, RandomRankDuringCollectives4) {
-  for (uint32_t seed = 1; seed <= 6; ++seed) killTrial(4, seed);
+  for (uint32_t seed = 1; seed <= 4; ++seed) killTrial(4, seed);
+  for (uint32_t seed = 5; seed <= 6; ++seed) killTrial(4, seed, /*ranks_per_node=*/2);
 }
 
 TEST(FtKill, RandomRankDuringCollectives8) {
-  for (uint32_t seed = 101; seed <= 104; ++seed) killTrial(8, seed);
+  for (uint32_t seed = 101; seed <= 103; ++seed) killTrial(8, seed);
+  killTrial(8, 104, /*ranks_per_node=*/4);
 }
 
 // 50 trials over 4 and 8 ranks: test_ft --gtest_also_run_disabled_tests --gtest_filter='*Soak*'
 TEST(FtKill, DISABLED_Soak) {
   for (uint32_t t = 0; t < 50; ++t) {
-    killTrial(t % 2 ? 8 : 4, 1000 + t);
+    killTrial(t % 2 ? 8 : 4, 1000 + t, t % 3 == 0 ? 2 : 0);
     if (::testing::Test::HasFailure()) break;
   }
+}
+
+// Symmetric-memory algorithms (the single-node default) wait on signal pads that do
+// not observe Communicator::abort() yet: a survivor blocked on a stopped -- alive, so
+// never hung up -- peer would stay blocked until CROSSBAR_TIMEOUT despite the revoke.
+// Until symmem checks Context::aborted() in its wait slices, the hang test runs the
+// point-to-point algorithms, which do. (A dead peer is fine either way: its segments'
+// sockets hang up.)
+RunOptions hangRun() {
+  RunOptions o = ftRun(2000, false);
+  o.env["CROSSBAR_ALGO"] = "allreduce=ring,alltoall=pairwise";
+  return o;
 }
 
 // A stopped rank is hung, not dead: a short stop loses nothing; a long one is
@@ -158,6 +179,9 @@ TEST(FtHang, StoppedRankIsTimeoutNotDead) {
         if (stopper.joinable()) stopper.join();
         EXPECT_EQ(events.load(), 0) << "a 500 ms stop must not be reported";
         ft->comm()->barrier();
+        // Nobody may still be in that barrier when the long stop begins.
+        env.store->set(fmt::format("test/phase_b/{}", env.rank), "1");
+        for (int r = 0; r < n; ++r) env.store->get(fmt::format("test/phase_b/{}", r));
 
         // Phase B: stopped well past the bound.
         std::atomic<bool> shrunk{false};
@@ -198,7 +222,7 @@ TEST(FtHang, StoppedRankIsTimeoutNotDead) {
         coll.reset();
         ft->comm()->barrier();
       },
-      ftRun(2000, false));
+      hangRun());
 }
 
 // Cut link between virtual nodes {0,1} and {2,3}: rank 1 aborts its UCX transport
