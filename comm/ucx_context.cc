@@ -164,6 +164,12 @@ UcxContext::UcxContext(const TransportSetup& setup, const std::string& prefix)
   // where other libraries (NCCL, MPI) also read UCX_* that is noise.
   setDefault(config, "WARN_UNUSED_ENV_VARS", "n");
   setDefault(config, "KEEPALIVE_INTERVAL", kKeepaliveInterval);
+  // UCX 1.13 sometimes deadlocks inside ucp_init while installing its mmap hooks
+  // (ucm_event_enter_exclusive waits on a rwlock forever; seen here in about 1 of
+  // 15 forked ranks). Those hooks only serve the registration and memory-type
+  // caches, which host memory over tcp/shm does not need: turn both off.
+  setDefault(config, "RCACHE_ENABLE", "n");
+  setDefault(config, "MEMTYPE_CACHE", "n");
 
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_ESTIMATED_NUM_EPS |
