@@ -69,18 +69,26 @@ Millis resolve(Millis given, const char* var) {
   return given.count() > 0 ? given : Millis(env::getMillis(var));
 }
 
-Member thisProcess() { return Member{hostName(), static_cast<int>(::getpid())}; }
+Member thisProcess() {
+  return Member{hostName(), static_cast<int>(::getpid())};
+}
 
-std::string memberLine(int old_rank, const Member& m) { return fmt::format("{} {} {}\n", old_rank, m.host, m.pid); }
+std::string memberLine(int old_rank, const Member& m) {
+  return fmt::format("{} {} {}\n", old_rank, m.host, m.pid);
+}
 
 }  // namespace
 
 const char* failureKindName(FailureKind kind) {
   switch (kind) {
-    case FailureKind::kDead: return "dead";
-    case FailureKind::kHung: return "hung";
-    case FailureKind::kUnreachable: return "unreachable";
-    case FailureKind::kStoreLost: return "store lost";
+    case FailureKind::kDead:
+      return "dead";
+    case FailureKind::kHung:
+      return "hung";
+    case FailureKind::kUnreachable:
+      return "unreachable";
+    case FailureKind::kStoreLost:
+      return "store lost";
   }
   return "?";
 }
@@ -88,23 +96,32 @@ const char* failureKindName(FailureKind kind) {
 std::string PeerFault::describe() const {
   const char* what = "failed";
   switch (kind) {
-    case FailureKind::kDead: what = "died"; break;
-    case FailureKind::kHung: what = "is not responding (hung or stopped; reported as a timeout)"; break;
-    case FailureKind::kUnreachable: what = "is alive but unreachable (link failure)"; break;
-    case FailureKind::kStoreLost: return fmt::format("the store stopped answering ({})", detail);
+    case FailureKind::kDead:
+      what = "died";
+      break;
+    case FailureKind::kHung:
+      what = "is not responding (hung or stopped; reported as a timeout)";
+      break;
+    case FailureKind::kUnreachable:
+      what = "is alive but unreachable (link failure)";
+      break;
+    case FailureKind::kStoreLost:
+      return fmt::format("the store stopped answering ({})", detail);
   }
   return fmt::format("rank {} (host {}, pid {}) {}{}{}", rank, host, pid, what, detail.empty() ? "" : ": ",
                      detail);
 }
 
-std::string Member::id() const { return fmt::format("{}:{}", host, pid); }
+std::string Member::id() const {
+  return fmt::format("{}:{}", host, pid);
+}
 
 // ------------------------------------------------------------------------------------
 // FailureDetector
 
 FailureDetector::FailureDetector(std::shared_ptr<Store> epoch_store, std::shared_ptr<Communicator> comm,
-                                 std::vector<Member> members, Millis detect_timeout, Millis heartbeat_interval,
-                                 std::shared_ptr<CallbackList> callbacks)
+                                 std::vector<Member> members, Millis detect_timeout,
+                                 Millis heartbeat_interval, std::shared_ptr<CallbackList> callbacks)
     : store_(std::move(epoch_store)),
       comm_(std::move(comm)),
       members_(std::move(members)),
@@ -120,7 +137,9 @@ FailureDetector::FailureDetector(std::shared_ptr<Store> epoch_store, std::shared
   thread_ = std::thread([this] { run(); });
 }
 
-FailureDetector::~FailureDetector() { stop(); }
+FailureDetector::~FailureDetector() {
+  stop();
+}
 
 void FailureDetector::stop() {
   {
@@ -230,14 +249,15 @@ void FailureDetector::tick(bool heartbeat) {
         if (now - changed > detect_timeout_) {
           char state;
           bool gone = processGone(r, &state);
-          std::string detail =
-              fmt::format("no heartbeat for {} ms{}", std::chrono::duration_cast<Millis>(now - changed).count(),
-                          state == 'T' || state == 't' ? ", process stopped (state T)" : "");
+          std::string detail = fmt::format("no heartbeat for {} ms{}",
+                                           std::chrono::duration_cast<Millis>(now - changed).count(),
+                                           state == 'T' || state == 't' ? ", process stopped (state T)" : "");
           fault(r, gone ? FailureKind::kDead : FailureKind::kHung, detail);
         }
       }
     }
-    if (!revoked_.load() && store_->check({"revoked"})) adopt(toString(store_->get("revoked", Deadline::after(detect_timeout_))));
+    if (!revoked_.load() && store_->check({"revoked"}))
+      adopt(toString(store_->get("revoked", Deadline::after(detect_timeout_))));
     store_failing_ = false;
   } catch (const std::exception& e) {
     if (!store_failing_) {
@@ -250,7 +270,8 @@ void FailureDetector::tick(bool heartbeat) {
   if (!found.empty()) revoke(found, fmt::format("detected by rank {}", rank_));
 }
 
-std::exception_ptr FailureDetector::errorFor(const std::vector<PeerFault>& faults, const std::string& message) const {
+std::exception_ptr FailureDetector::errorFor(const std::vector<PeerFault>& faults,
+                                             const std::string& message) const {
   std::vector<int> ranks;
   bool all_hung = !faults.empty(), store_lost = false;
   for (const auto& f : faults) {
@@ -270,13 +291,15 @@ void FailureDetector::revoke(std::vector<PeerFault> faults, const std::string& w
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& f : faults) {
-      bool seen = std::any_of(faults_.begin(), faults_.end(), [&](const PeerFault& g) { return g.rank == f.rank; });
+      bool seen =
+          std::any_of(faults_.begin(), faults_.end(), [&](const PeerFault& g) { return g.rank == f.rank; });
       if (!seen) fresh.push_back(f);
     }
     merge(faults_, fresh);
     all = faults_;
     first = !revoked_.exchange(true);
-    bool store_lost = std::any_of(all.begin(), all.end(), [](auto& f) { return f.kind == FailureKind::kStoreLost; });
+    bool store_lost =
+        std::any_of(all.begin(), all.end(), [](auto& f) { return f.kind == FailureKind::kStoreLost; });
     // The store write happens on the detector thread, so revoke() never blocks on the store.
     if ((first || !fresh.empty()) && !store_lost) pending_revoke_ = why + "\n" + serialize(all);
   }
@@ -397,7 +420,9 @@ void FailureDetector::fire(const FailureEvent& event) {
 // ------------------------------------------------------------------------------------
 // FaultTolerantComm
 
-std::string FaultTolerantComm::epochPrefix(uint64_t epoch) const { return fmt::format("e{}", epoch); }
+std::string FaultTolerantComm::epochPrefix(uint64_t epoch) const {
+  return fmt::format("e{}", epoch);
+}
 
 std::shared_ptr<Store> FaultTolerantComm::epochStore(uint64_t epoch, bool detector) const {
   return std::make_shared<PrefixStore>(epochPrefix(epoch), detector ? detector_store_ : store_);
@@ -407,14 +432,15 @@ std::unique_ptr<FaultTolerantComm> FaultTolerantComm::create(std::shared_ptr<Sto
                                                              FtOptions options) {
   if (!store) throw InvalidArgument(errorContext(rank, "ft create") + "store is null");
   if (size <= 0 || rank < 0 || rank >= size)
-    throw InvalidArgument(fmt::format("{}rank {} / size {} is out of range", errorContext(rank, "ft create"), rank, size));
+    throw InvalidArgument(
+        fmt::format("{}rank {} / size {} is out of range", errorContext(rank, "ft create"), rank, size));
   std::unique_ptr<FaultTolerantComm> ft(new FaultTolerantComm());
   ft->options_ = options;
   ft->callbacks_ = std::make_shared<CallbackList>();
   ft->store_ = std::make_shared<PrefixStore>("crossbar/ft/" + options.name, store);
-  ft->detector_store_ = options.detector_store
-                            ? std::make_shared<PrefixStore>("crossbar/ft/" + options.name, options.detector_store)
-                            : ft->store_;
+  ft->detector_store_ = options.detector_store ? std::make_shared<PrefixStore>("crossbar/ft/" + options.name,
+                                                                               options.detector_store)
+                                               : ft->store_;
   ft->detect_timeout_ = resolve(options.detect_timeout, "CROSSBAR_FT_DETECT_TIMEOUT");
   ft->heartbeat_interval_ = resolve(options.heartbeat_interval, "CROSSBAR_FT_HEARTBEAT");
   // Everyone learns everyone's process (for pid liveness and to recognise itself later).
@@ -443,9 +469,9 @@ std::unique_ptr<FaultTolerantComm> FaultTolerantComm::join(std::shared_ptr<Store
   ft->options_ = options;
   ft->callbacks_ = std::make_shared<CallbackList>();
   ft->store_ = std::make_shared<PrefixStore>("crossbar/ft/" + options.name, store);
-  ft->detector_store_ = options.detector_store
-                            ? std::make_shared<PrefixStore>("crossbar/ft/" + options.name, options.detector_store)
-                            : ft->store_;
+  ft->detector_store_ = options.detector_store ? std::make_shared<PrefixStore>("crossbar/ft/" + options.name,
+                                                                               options.detector_store)
+                                               : ft->store_;
   ft->detect_timeout_ = resolve(options.detect_timeout, "CROSSBAR_FT_DETECT_TIMEOUT");
   ft->heartbeat_interval_ = resolve(options.heartbeat_interval, "CROSSBAR_FT_HEARTBEAT");
   Millis timeout = options.comm.timeout.count() > 0 ? options.comm.timeout : defaultTimeout();
@@ -454,19 +480,24 @@ std::unique_ptr<FaultTolerantComm> FaultTolerantComm::join(std::shared_ptr<Store
   CB_INFO("ft", "joining '{}' as candidate {}", options.name, slot);
   uint64_t epoch = 0;
   try {
-    epoch = std::stoull(toString(ft->store_->get(fmt::format("joinq/{}/epoch", slot), Deadline::after(timeout))));
+    epoch =
+        std::stoull(toString(ft->store_->get(fmt::format("joinq/{}/epoch", slot), Deadline::after(timeout))));
   } catch (const Timeout&) {
-    throw Timeout(fmt::format("{}no member of '{}' admitted this process within {} ms; the members must call "
-                              "grow() (candidate {} in the join queue)",
-                              errorContext(-1, "ft join"), options.name, timeout.count(), slot));
+    throw Timeout(
+        fmt::format("{}no member of '{}' admitted this process within {} ms; the members must call "
+                    "grow() (candidate {} in the join queue)",
+                    errorContext(-1, "ft join"), options.name, timeout.count(), slot));
   }
   ft->epoch_ = epoch - 1;
-  std::string decision = toString(ft->store_->get(fmt::format("e{}/decision", epoch - 1), Deadline::after(timeout)));
+  std::string decision =
+      toString(ft->store_->get(fmt::format("e{}/decision", epoch - 1), Deadline::after(timeout)));
   ft->applyDecision(decision, /*first=*/true);
   return ft;
 }
 
-FaultTolerantComm::~FaultTolerantComm() { close(); }
+FaultTolerantComm::~FaultTolerantComm() {
+  close();
+}
 
 void FaultTolerantComm::close() {
   if (!detector_) return;
@@ -485,10 +516,13 @@ void FaultTolerantComm::onFailure(FailureCallback callback) {
   callbacks_->list.push_back(std::move(callback));
 }
 
-void FaultTolerantComm::abort(const std::string& reason) { detector_->revoke({}, reason); }
+void FaultTolerantComm::abort(const std::string& reason) {
+  if (detector_) detector_->revoke({}, reason);
+}
 
 std::vector<PeerFault> FaultTolerantComm::handleError(const std::exception& error) {
   auto* e = dynamic_cast<const Error*>(&error);
+  requireOpen("handleError");
   if (detector_->revoked()) return detector_->faults();
   if (e && !e->peers().empty() && (e->code() == ErrorCode::kPeerFailure || e->code() == ErrorCode::kTimeout))
     return detector_->classify(e->peers());
@@ -504,12 +538,13 @@ void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int m
   comm_ = Communicator::create(ctx_store, my_rank, static_cast<int>(members.size()), co);
   epoch_ = epoch;
   members_ = members;
-  detector_ = std::make_unique<FailureDetector>(epochStore(epoch, true), comm_, std::move(members), detect_timeout_,
-                                                heartbeat_interval_, callbacks_);
+  detector_ = std::make_unique<FailureDetector>(epochStore(epoch, true), comm_, std::move(members),
+                                                detect_timeout_, heartbeat_interval_, callbacks_);
   if (my_rank == 0) store_->set("epoch", std::to_string(epoch));
 }
 
-std::string FaultTolerantComm::awaitDecision(const std::function<std::string()>& leader_decide, bool shrinking) {
+std::string FaultTolerantComm::awaitDecision(const std::function<std::string()>& leader_decide,
+                                             bool shrinking) {
   auto es = epochStore(epoch_, false);
   const Deadline overall = comm_->defaultDeadline();
   const std::string op = shrinking ? "shrink" : "grow";
@@ -521,7 +556,8 @@ std::string FaultTolerantComm::awaitDecision(const std::function<std::string()>&
     while (failed.count(leader)) ++leader;
     if (leader == comm_->rank()) return leader_decide();
     try {
-      return toString(es->get("decision", Deadline::after(std::max(Millis(200), 2 * heartbeat_interval_)).min(overall)));
+      return toString(
+          es->get("decision", Deadline::after(std::max(Millis(200), 2 * heartbeat_interval_)).min(overall)));
     } catch (const Timeout&) {
       if (overall.expired())
         throw Timeout(fmt::format("{}rank {} (host {}) did not publish the membership of epoch {} in time",
@@ -531,7 +567,14 @@ std::string FaultTolerantComm::awaitDecision(const std::function<std::string()>&
   }
 }
 
+void FaultTolerantComm::requireOpen(const char* op) const {
+  if (!detector_ || !comm_)
+    throw InvalidUsage(fmt::format("{}this process left '{}' (closed, or excluded by an earlier shrink)",
+                                   errorContext(-1, op), options_.name));
+}
+
 std::shared_ptr<Communicator> FaultTolerantComm::shrink() {
+  requireOpen("shrink");
   const int me = comm_->rank(), n = comm_->size();
   if (!detector_->revoked()) detector_->revoke({}, fmt::format("rank {} called shrink()", me));
   auto es = epochStore(epoch_, false);
@@ -584,6 +627,7 @@ std::shared_ptr<Communicator> FaultTolerantComm::shrink() {
 }
 
 std::shared_ptr<Communicator> FaultTolerantComm::grow(int target_size) {
+  requireOpen("grow");
   const int n = comm_->size();
   if (target_size <= n)
     throw InvalidArgument(fmt::format("{}target size {} is not larger than the current size {}",
@@ -598,8 +642,8 @@ std::shared_ptr<Communicator> FaultTolerantComm::grow(int target_size) {
       store_->wait(keys, comm_->defaultDeadline());
     } catch (const Timeout&) {
       throw Timeout(fmt::format("{}only {} of {} replacement processes called join() within {} ms",
-                                errorContext(comm_->rank(), "grow"), store_->add("joinq/count", 0) - first, need,
-                                comm_->timeout().count()));
+                                errorContext(comm_->rank(), "grow"), store_->add("joinq/count", 0) - first,
+                                need, comm_->timeout().count()));
     }
     std::string text = fmt::format("grow {}\n", epoch_ + 1);
     for (int r = 0; r < n; ++r) text += memberLine(r, members_[r]);
@@ -607,7 +651,8 @@ std::shared_ptr<Communicator> FaultTolerantComm::grow(int target_size) {
     std::string stored = toString(es->compareSet("decision", {}, toBytes(text)));
     if (stored == text) {
       store_->add("joinq/next", need);
-      for (int i = 0; i < need; ++i) store_->set(fmt::format("joinq/{}/epoch", first + i), std::to_string(epoch_ + 1));
+      for (int i = 0; i < need; ++i)
+        store_->set(fmt::format("joinq/{}/epoch", first + i), std::to_string(epoch_ + 1));
     }
     return stored;
   };
@@ -635,13 +680,15 @@ std::shared_ptr<Communicator> FaultTolerantComm::applyDecision(const std::string
   const uint64_t old_epoch = epoch_;
   if (detector_) detector_->stop();
   detector_.reset();
-  if (comm_ && !comm_->aborted()) comm_->abort(fmt::format("epoch {} replaced by epoch {}", old_epoch, epoch));
+  if (comm_ && !comm_->aborted())
+    comm_->abort(fmt::format("epoch {} replaced by epoch {}", old_epoch, epoch));
   comm_.reset();
   if (my_rank < 0)
-    throw Excluded(fmt::format("{}this process ({}) is not a member of epoch {} of '{}': the survivors agreed "
-                               "without it (it was considered failed: dead, hung or unreachable). It must not "
-                               "use this communicator again; exit, or call join() as a new process",
-                               errorContext(-1, first ? "ft join" : kind), me.id(), epoch, options_.name));
+    throw Excluded(
+        fmt::format("{}this process ({}) is not a member of epoch {} of '{}': the survivors agreed "
+                    "without it (it was considered failed: dead, hung or unreachable). It must not "
+                    "use this communicator again; exit, or call join() as a new process",
+                    errorContext(-1, first ? "ft join" : kind), me.id(), epoch, options_.name));
   CB_INFO("ft", "entering epoch {} ({}) as rank {} of {}", epoch, kind, my_rank, members.size());
   enter(epoch, std::move(members), my_rank);
   return comm_;

@@ -52,8 +52,8 @@ struct PeerFault {
   FailureKind kind = FailureKind::kDead;
   std::string host;
   int pid = 0;
-  int reporter = -1;  // rank that detected it
-  std::string detail;  // how it was detected ("process gone", "stopped (state T)", ...)
+  int reporter = -1;             // rank that detected it
+  std::string detail;            // how it was detected ("process gone", "stopped (state T)", ...)
   std::string describe() const;  // "rank 3 (host a, pid 12) died"
 };
 
@@ -73,10 +73,10 @@ class Excluded : public Aborted {
 };
 
 struct FtOptions {
-  CommOptions comm;               // for each epoch's Communicator (epoch is set by ft)
-  std::string name = "ft";        // store namespace: several FT communicators can share a store
-  Millis detect_timeout{0};       // 0: CROSSBAR_FT_DETECT_TIMEOUT
-  Millis heartbeat_interval{0};   // 0: CROSSBAR_FT_HEARTBEAT
+  CommOptions comm;                       // for each epoch's Communicator (epoch is set by ft)
+  std::string name = "ft";                // store namespace: several FT communicators can share a store
+  Millis detect_timeout{0};               // 0: CROSSBAR_FT_DETECT_TIMEOUT
+  Millis heartbeat_interval{0};           // 0: CROSSBAR_FT_HEARTBEAT
   std::shared_ptr<Store> detector_store;  // default: the main store (see above)
 };
 
@@ -182,6 +182,7 @@ class FaultTolerantComm {
   FaultTolerantComm() = default;
   // Builds epoch `epoch` from the member list; `my_rank` indexes into it.
   void enter(uint64_t epoch, std::vector<Member> members, int my_rank);
+  void requireOpen(const char* op) const;  // InvalidUsage after close() or Excluded
   std::string epochPrefix(uint64_t epoch) const;
   std::shared_ptr<Store> epochStore(uint64_t epoch, bool detector) const;
   // Waits for the transition decision of the current epoch (leader writes it via `decide`).

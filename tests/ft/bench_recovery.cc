@@ -48,12 +48,14 @@ TEST(BenchRecovery, KillToFirstCollective8) {
           int64_t d = 0, s = 0, f = 0;
           for (int r = 0; r < n - 1; ++r) {
             int64_t a, b, c;
-            std::sscanf(toString(env.store->get(fmt::format("bench/t/{}", r))).c_str(), "%ld %ld %ld", &a, &b, &c);
+            std::sscanf(toString(env.store->get(fmt::format("bench/t/{}", r))).c_str(), "%ld %ld %ld", &a, &b,
+                        &c);
             d = std::max(d, a), s = std::max(s, b), f = std::max(f, c);
           }
-          std::printf("recovery (8 ranks, slowest survivor): detected %.1f ms, shrunk %.1f ms, "
-                      "first correct allreduce %.1f ms after the kill\n",
-                      d / 1e6, s / 1e6, f / 1e6);
+          std::printf(
+              "recovery (8 ranks, slowest survivor): detected %.1f ms, shrunk %.1f ms, "
+              "first correct allreduce %.1f ms after the kill\n",
+              d / 1e6, s / 1e6, f / 1e6);
           std::fflush(stdout);
         }
         coll.reset();
