@@ -6,7 +6,10 @@
 #      signals, copy engine, SymmDeviceHandle kernel, multicast),
 #   3. runs the copy-engine bandwidth benchmark (perf/gpu/ce_bandwidth),
 #   4. if cmake+ninja and the project's dependencies are present: builds and runs the
-#      gtest binaries test_symmem_cuda and test_symmem_cuda_gpu,
+#      gtest binaries test_symmem_cuda and test_symmem_cuda_gpu (the latter also holds the
+#      checks that need the whole library: SymmetricHeap with the CUDA allocator across 2
+#      processes, stream signals on heap pads, makeDeviceHandle kernels, and a one-rank NCCL
+#      communicator with a registered window + allreduce; the direct build cannot run those),
 #   5. runs compute-sanitizer memcheck on the kernel check if available,
 # then prints a summary table. Logs go to $OUT (or ./build-gpu-check-logs).
 #
@@ -141,6 +144,8 @@ if [ $USE_CMAKE = 1 ] && command -v cmake >/dev/null && command -v ninja >/dev/n
         > "$LOG/cmake-build.log" 2>&1; then
       record "build (cmake/ninja)" PASS ""
       for t in test_symmem_cuda test_symmem_cuda_gpu; do
+        # Both binaries include the heap/NCCL tests (test_symmem_cuda_heap*.cc); list them for the log.
+        "$CB/bin/$t" --gtest_list_tests > "$LOG/$t.list" 2>&1 || true
         if timeout 240 "$CB/bin/$t" --gtest_color=no > "$LOG/$t.log" 2>&1; then
           record "gtest $t" PASS "$(grep -E '^\[  (PASSED|SKIPPED) ' "$LOG/$t.log" | tr '\n' ' ')"
         else

@@ -38,7 +38,7 @@ struct PadSlot {
   std::atomic<uint32_t> waiters;  // the owner sleeps on `value` (FUTEX_WAKE needed)
   uint32_t reserved;
 };
-static_assert(sizeof(PadSlot) == 16);
+static_assert(sizeof(PadSlot) == SymmetricBuffer::kSignalSlotBytes);  // the layout symmem/cuda relies on
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 
 // Low 32 bits of the counter (x86-64 is little-endian): the futex word.
@@ -540,8 +540,35 @@ void SymmetricBuffer::putSignal(int peer, int channel) {
 uint64_t SymmetricBuffer::signalValue(int peer, int channel) const {
   checkUsable("signalValue");
   checkChannel(channel, "signalValue");
+  if (!heap_->allocator->hostAccessible())
+    throw Unsupported(heap_->ctx("signalValue") +
+                      fmt::format("the '{}' backend's signal pad is not CPU accessible: read it from a "
+                                  "stream or kernel",
+                                  heap_->allocator->name()));
   return padOf(local_, pad_offset_)[static_cast<size_t>(channel) * size_ + peer].value.load(
       std::memory_order_acquire);
+}
+
+MemoryKind SymmetricBuffer::memoryKind() const {
+  return heap_->allocator->kind();
+}
+
+uint64_t SymmetricBuffer::reserveSignal(int peer, int channel) {
+  checkUsable("reserveSignal");
+  checkChannel(channel, "reserveSignal");
+  if (!isLocalPeer(peer))
+    throw InvalidArgument(heap_->ctx("reserveSignal") +
+                          fmt::format("peer {} is not an on-node rank of this {}-rank buffer", peer, size_));
+  return sent_[signalSlot(peer, channel)].fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+uint64_t SymmetricBuffer::reserveWait(int peer, int channel) {
+  checkUsable("reserveWait");
+  checkChannel(channel, "reserveWait");
+  if (!isLocalPeer(peer))
+    throw InvalidArgument(heap_->ctx("reserveWait") +
+                          fmt::format("peer {} is not an on-node rank of this {}-rank buffer", peer, size_));
+  return ++consumed_[signalSlot(peer, channel)];
 }
 
 void SymmetricBuffer::waitSlot(int peer, size_t slot_index, uint64_t value, int channel, Deadline deadline,

@@ -143,6 +143,24 @@ class SymmetricBuffer {
   void free();
   void free(Deadline deadline);
 
+  // --- hooks for backends whose memory the CPU cannot touch (symmem/cuda signals
+  // from streams and kernels into the same pad slots; the host calls above refuse).
+  // Pad layout: at signalPadOffset() of every rank's segment, one kSignalSlotBytes
+  // slot per (channel, sender), index signalSlot(sender, channel), a uint64 counter at
+  // offset 0 of the slot.
+  static constexpr size_t kSignalSlotBytes = 16;
+  MemoryKind memoryKind() const;
+  size_t signalPadOffset() const { return pad_offset_; }
+  size_t signalSlot(int sender, int channel) const {
+    return static_cast<size_t>(channel) * static_cast<size_t>(size_) + static_cast<size_t>(sender);
+  }
+  // Counts one more signal from this rank to on-node `peer` on `channel` and returns
+  // the counter value the caller must write into the peer's slot.
+  uint64_t reserveSignal(int peer, int channel);
+  // Consumes one signal from on-node `peer` on `channel`; returns the counter value
+  // to wait for in this rank's slot (what waitSignal() would wait for).
+  uint64_t reserveWait(int peer, int channel);
+
  private:
   friend class SymmetricHeap;
   friend struct detail::HeapImpl;

@@ -23,22 +23,25 @@ inline constexpr int kMaxLocalRanks = 8;
 struct SymmDeviceHandle {
   // peer_ptrs[r]: rank r's buffer mapped in this process (peer_ptrs[rank] is our own).
   void* peer_ptrs[kMaxLocalRanks];
-  // signal_pads[r]: rank r's signal pad mapped here; slot [s] of pad r is written by
-  // rank s only (so no two writers share a word) and read by rank r.
+  // signal_pads[r]: rank r's signal pad mapped here; slot [s * signal_stride] of pad r is
+  // written by rank s only (so no two writers share a word) and read by rank r.
   uint64_t* signal_pads[kMaxLocalRanks];
   // Set to 1 by waitSignal() on timeout; device or mapped host memory, may be null.
   unsigned int* timeout_flag;
   int rank;
   int local_size;
   size_t size;  // bytes of every rank's buffer
+  // uint64 words between consecutive slots of a pad: 1 for packed pads, 2 for the
+  // symmetric heap's 16-byte slots (makeDeviceHandle, symmem/cuda/cuda_symmetric.h).
+  int signal_stride = 1;
 
   template <typename T>
   CROSSBAR_HD T* peer(int r, size_t byte_offset = 0) const {
     return reinterpret_cast<T*>(static_cast<char*>(peer_ptrs[r]) + byte_offset);
   }
   // Where this rank signals peer `to` / reads what peer `from` signaled.
-  CROSSBAR_HD uint64_t* outboxSlot(int to) const { return signal_pads[to] + rank; }
-  CROSSBAR_HD uint64_t* inboxSlot(int from) const { return signal_pads[rank] + from; }
+  CROSSBAR_HD uint64_t* outboxSlot(int to) const { return signal_pads[to] + rank * signal_stride; }
+  CROSSBAR_HD uint64_t* inboxSlot(int from) const { return signal_pads[rank] + from * signal_stride; }
 
 #if defined(__CUDACC__)
   // --- device side: call from one thread after the data writes of the block are
