@@ -158,7 +158,8 @@ class FaultTolerantComm {
   uint64_t epoch() const { return epoch_; }
   int rank() const { return comm_->rank(); }
   int size() const { return comm_->size(); }
-  // Called from the detector thread on every failure event (keep them short).
+  // Called on every failure event from the thread that saw it (usually the detector's):
+  // keep them short, and never call shrink()/grow()/close() from one (they stop that thread).
   void onFailure(FailureCallback callback);
 
   // Turns an error from an operation on comm() into faults (dead / hung / unreachable)
