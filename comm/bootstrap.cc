@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 
 #include "comm/env.h"
@@ -311,6 +312,8 @@ bool isLoopback(const std::string& host) {
 
 }  // namespace
 
+constexpr size_t kMaxHostlistNames = 1'000'000;
+
 std::vector<std::string> expandHostlist(const std::string& hostlist) {
   auto bad = [&](const std::string& why) {
     return InvalidArgument(fmt::format("host list '{}': {}", hostlist, why));
@@ -336,10 +339,11 @@ std::vector<std::string> expandHostlist(const std::string& hostlist) {
   for (const std::string& name : names) {
     if (name.empty()) continue;
     // Expand the first bracket group, then each result's remaining groups.
-    std::vector<std::string> pending{name};
+    // A deque: popping the front of a vector made a 1M-name range quadratic.
+    std::deque<std::string> pending{name};
     while (!pending.empty()) {
-      std::string item = pending.front();
-      pending.erase(pending.begin());
+      std::string item = std::move(pending.front());
+      pending.pop_front();
       size_t open = item.find('[');
       if (open == std::string::npos) {
         out.push_back(item);
@@ -364,6 +368,9 @@ std::vector<std::string> expandHostlist(const std::string& hostlist) {
         if (b < a) throw bad(fmt::format("range '{}' runs backwards", range));
         if (b - a > 1'000'000) throw bad(fmt::format("range '{}' is too large", range));
         size_t width = lo.size();  // zero padding follows the lower bound ("01-10")
+        // Several bracket groups multiply; bound the total, not just each range.
+        if (out.size() + pending.size() + expanded.size() + static_cast<size_t>(b - a) >= kMaxHostlistNames)
+          throw bad(fmt::format("expands to more than {} host names", kMaxHostlistNames));
         for (int64_t v = a; v <= b; ++v)
           expanded.push_back(prefix + fmt::format("{:0{}}", v, width) + suffix);
         if (comma == std::string::npos) break;

@@ -41,6 +41,8 @@ const std::vector<Variable>& all() {
       {"CROSSBAR_TUNER_TABLE", Type::kString, "", "CSV tuning table of the NCCL tuner plugin (libnccl-tuner-crossbar.so): collective,min_bytes,max_bytes,nranks,nnodes,algorithm,protocol,channels."},
       {"CROSSBAR_COLL_SYMM_BYTES", Type::kSize, "8M", "Bytes of symmetric staging memory per rank for the host symmetric-memory collectives (two halves, double-buffered; created at the first such collective). 0 disables those algorithms."},
       {"CROSSBAR_COLL_SYMM_CHUNK", Type::kSize, "1M", "Largest pipelined chunk (bytes per rank) of the symmetric-memory collectives; capped at half of CROSSBAR_COLL_SYMM_BYTES."},
+      {"CROSSBAR_SECRET", Type::kString, "", "Shared job secret: store clients and server prove knowledge of it (HMAC-SHA256 challenge-response). Same value on every rank and crossbar-store; unset: no authentication (single-host jobs). Prefer CROSSBAR_SECRET_FILE (env is visible in /proc and crossbar-info)."},
+      {"CROSSBAR_SECRET_FILE", Type::kString, "", "File holding the shared job secret (used when CROSSBAR_SECRET is unset; one trailing newline ignored; chmod 600)."},
   };
   return table;
 }
@@ -93,7 +95,8 @@ int64_t parseInt(std::string_view text, std::string_view what) {
   char* end = nullptr;
   errno = 0;
   long long value = std::strtoll(t.c_str(), &end, 10);
-  if (t.empty() || *end != '\0' || errno == ERANGE)
+  // The end check (not *end) also rejects an embedded NUL: "12\0x" is not 12.
+  if (t.empty() || end != t.c_str() + t.size() || errno == ERANGE)
     throw InvalidArgument(fmt::format("{}={}: expected a decimal integer", what, text));
   return value;
 }
@@ -102,7 +105,9 @@ uint64_t parseSize(std::string_view text, std::string_view what) {
   std::string t(text);
   char* end = nullptr;
   errno = 0;
-  if (t.empty() || t[0] == '-')
+  // strtoull skips blanks and then negates "-1" to 2^64-1: refuse a sign after blanks too.
+  const size_t first = t.find_first_not_of(" \t\n\v\f\r");
+  if (first == std::string::npos || t[first] == '-')
     throw InvalidArgument(fmt::format("{}={}: expected a size in bytes with optional K, M, G or T suffix", what, text));
   unsigned long long value = std::strtoull(t.c_str(), &end, 10);
   std::string suffix = lower(end);
@@ -133,12 +138,16 @@ int64_t getMillis(std::string_view name) {
   char* end = nullptr;
   errno = 0;
   double value = std::strtod(t.c_str(), &end);
-  if (end == t.c_str() || value < 0 || errno == ERANGE) throw fail();
+  if (end == t.c_str() || !(value >= 0) || errno == ERANGE) throw fail();  // !(>=) also catches NaN
   std::string suffix(end);
-  if (suffix.empty() || suffix == "ms") return static_cast<int64_t>(value);
-  if (suffix == "s") return static_cast<int64_t>(value * 1000);
-  if (suffix == "m") return static_cast<int64_t>(value * 60'000);
-  throw fail();
+  double scale = 0;
+  if (suffix.empty() || suffix == "ms") scale = 1;
+  else if (suffix == "s") scale = 1000;
+  else if (suffix == "m") scale = 60'000;
+  else throw fail();
+  // Converting a double beyond int64 (or inf) is undefined behaviour: refuse it.
+  if (!(value * scale < 9.2e18)) throw fail();
+  return static_cast<int64_t>(value * scale);
 }
 
 std::string getEnum(std::string_view name) {

@@ -2,8 +2,12 @@
 // and waits are parked in the server and answered when their keys are set, so no
 // client ever polls. Clients speak a tiny length-prefixed protocol:
 //
-//   hello     client -> server: u32 magic, u16 version, u16 flags
+//   hello     client -> server: u32 magic, u16 version, u16 flags (bit 0: has a secret)
 //             server -> client: u32 magic, u16 server version, u16 status
+//                               (+ 32-byte server nonce when status is kHelloAuth)
+//   auth      client -> server: 32-byte client nonce, HMAC(secret, sn || kClientLabel || cn)
+//             server -> client: u16 status, u16 reserved (+ HMAC(secret, cn || kServerLabel || sn)
+//                               when accepted; a rejected client is disconnected)
 //   request   u16 op,     u16 reserved,   u32 nargs, nargs x (u32 length, bytes)
 //   response  u16 status, u16 error code, u32 nargs, nargs x (u32 length, bytes)
 //
@@ -29,6 +33,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "comm/auth.h"
 #include "comm/errors.h"
 #include "comm/log.h"
 
@@ -50,7 +55,16 @@ constexpr Millis kReplyGrace{2000};
 // How long a client tries to reconnect after losing an established connection.
 constexpr Millis kReconnectWindow{5000};
 
-enum HelloStatus : uint16_t { kHelloOk = 0, kHelloBadVersion = 1 };
+enum HelloStatus : uint16_t { kHelloOk = 0, kHelloBadVersion = 1, kHelloAuth = 2 };
+enum AuthStatus : uint16_t { kAuthOk = 0, kAuthRejected = 1 };
+constexpr uint16_t kHelloFlagSecret = 1;
+constexpr size_t kNonceBytes = 32;
+constexpr size_t kMacBytes = 32;
+// Distinct labels so that neither side's proof can be replayed as the other's.
+constexpr std::string_view kClientLabel = "crossbar-store-v1";
+constexpr std::string_view kServerLabel = "crossbar-store-v1 server";
+// A client that has not finished the handshake by then is dropped (no slot hogging).
+constexpr Millis kHandshakeTimeout{10'000};
 enum class Op : uint16_t { kSet = 1, kGet, kAdd, kCompareSet, kCheck, kWait, kDelete, kNumKeys };
 enum class Status : uint16_t { kOk = 0, kTimeout = 1, kError = 2 };
 
@@ -240,6 +254,66 @@ bool isIntArg(Op op, uint32_t index) {
   return ((op == Op::kGet || op == Op::kAdd) && index == 1) || (op == Op::kWait && index == 0);
 }
 
+// The server's checks of a request, run before any argument is copied.
+std::string checkRequestHeader(uint16_t code, uint32_t nargs) {
+  const auto op = static_cast<Op>(code);
+  uint32_t want = 0;
+  switch (op) {
+    case Op::kSet:
+    case Op::kGet:
+    case Op::kAdd:
+      want = 2;
+      break;
+    case Op::kCompareSet:
+      want = 3;
+      break;
+    case Op::kDelete:
+      want = 1;
+      break;
+    case Op::kNumKeys:
+      want = 0;
+      break;
+    case Op::kCheck:
+      return nargs <= kMaxArgs ? "" : fmt::format("check of {} keys exceeds {}", nargs, kMaxArgs);
+    case Op::kWait:
+      return nargs >= 1 && nargs <= kMaxArgs ? ""
+                                             : fmt::format("wait of {} keys exceeds {}", nargs, kMaxArgs);
+    default:
+      return fmt::format("malformed header: unknown operation {}", code);
+  }
+  return nargs == want ? "" : fmt::format("malformed header: operation {} with {} arguments", code, nargs);
+}
+
+std::string checkRequestArg(uint16_t code, uint32_t i, uint32_t len) {
+  const auto op = static_cast<Op>(code);
+  if (isIntArg(op, i))
+    return len == 8 ? "" : fmt::format("malformed request: integer argument of {} bytes", len);
+  if (isValueArg(op, i))
+    return len <= kStoreMaxValueBytes ? ""
+                                      : fmt::format("value of {} bytes exceeds the store's limit of {} bytes",
+                                                    len, kStoreMaxValueBytes);
+  return len <= kStoreMaxKeyBytes
+             ? ""
+             : fmt::format("key of {} bytes exceeds the store's limit of {} bytes", len, kStoreMaxKeyBytes);
+}
+
+// The client's checks of a reply.
+std::string checkReplyHeader(uint16_t code, uint32_t nargs) {
+  if (code > static_cast<uint16_t>(Status::kError) || nargs > kMaxArgs)
+    return fmt::format("malformed reply header (status {}, {} parts)", code, nargs);
+  return "";
+}
+std::string checkReplyArg(uint16_t, uint32_t, uint32_t len) {
+  return len <= kStoreMaxValueBytes ? "" : fmt::format("reply part of {} bytes is too large", len);
+}
+
+std::string authMessage(std::string_view first_nonce, std::string_view label, std::string_view second_nonce) {
+  std::string m;
+  m.reserve(first_nonce.size() + label.size() + second_nonce.size());
+  m.append(first_nonce).append(label).append(second_nonce);
+  return m;
+}
+
 }  // namespace
 
 // ======================================================================================
@@ -255,9 +329,10 @@ struct TcpStoreServer::Impl {
   struct Conn {
     int fd = -1;
     std::string peer;
-    // kHello -> kReady. Authentication (a later issue) fits in between as kAuth:
-    // the server sends a nonce after the hello and waits for HMAC(secret, nonce).
-    enum class State { kHello, kReady } state = State::kHello;
+    // kHello -> (kAuth when the server has a secret) -> kReady.
+    enum class State { kHello, kAuth, kReady } state = State::kHello;
+    std::string nonce;  // the server's challenge (kAuth)
+    Clock::time_point handshake_deadline = Clock::now() + kHandshakeTimeout;
     std::string in;
     std::string out;
     size_t out_off = 0;
@@ -269,6 +344,7 @@ struct TcpStoreServer::Impl {
 
   std::string host;
   uint16_t port = 0;
+  std::string secret;  // empty: no authentication
   int listen_fd = -1;
   int wake_fd = -1;
   pid_t owner_pid = 0;
@@ -401,8 +477,11 @@ struct TcpStoreServer::Impl {
 
   int pollTimeout(bool accepting) {
     std::optional<Clock::time_point> next;
-    for (auto& c : conns)
+    for (auto& c : conns) {
       if (c->parked && (!next || c->parked->deadline < *next)) next = c->parked->deadline;
+      if (c->state != Conn::State::kReady && (!next || c->handshake_deadline < *next))
+        next = c->handshake_deadline;
+    }
     if (!accepting && (!next || accept_paused_until < *next)) next = accept_paused_until;
     return next ? pollTimeoutMs(*next) : -1;
   }
@@ -510,9 +589,9 @@ struct TcpStoreServer::Impl {
         putU32(reply, kMagic);
         putU16(reply, kProtocolVersion);
         putU16(reply, version == kProtocolVersion ? kHelloOk : kHelloBadVersion);
-        send(c, reply);
         handled = true;
         if (version != kProtocolVersion) {
+          send(c, reply);
           CB_WARN("store",
                   "store server {}: client {} speaks store protocol version {}, this server "
                   "speaks {}; closed",
@@ -520,63 +599,46 @@ struct TcpStoreServer::Impl {
           c.close_after_flush = true;
           break;
         }
+        if (secret.empty()) {
+          send(c, reply);
+          c.state = Conn::State::kReady;
+          continue;
+        }
+        reply[6] = static_cast<char>(kHelloAuth);  // status, little-endian u16
+        c.nonce = auth::randomBytes(kNonceBytes);
+        reply += c.nonce;
+        send(c, reply);
+        c.state = Conn::State::kAuth;
+        continue;
+      }
+      if (c.state == Conn::State::kAuth) {
+        if (c.in.size() < kNonceBytes + kMacBytes) break;
+        const std::string client_nonce = c.in.substr(0, kNonceBytes);
+        const auth::Digest want = auth::hmacSha256(secret, authMessage(c.nonce, kClientLabel, client_nonce));
+        const bool ok = auth::constantTimeEqual(want.data(), c.in.data() + kNonceBytes, kMacBytes);
+        c.in.erase(0, kNonceBytes + kMacBytes);
+        handled = true;
+        std::string reply;
+        putU16(reply, ok ? kAuthOk : kAuthRejected);
+        putU16(reply, 0);
+        if (!ok) {
+          send(c, reply);
+          CB_WARN("store",
+                  "store server {}: client {} failed authentication (wrong CROSSBAR_SECRET?); closed", addr(),
+                  c.peer);
+          c.close_after_flush = true;
+          break;
+        }
+        const auth::Digest proof = auth::hmacSha256(secret, authMessage(client_nonce, kServerLabel, c.nonce));
+        reply.append(reinterpret_cast<const char*>(proof.data()), proof.size());
+        send(c, reply);
         c.state = Conn::State::kReady;
         continue;
       }
       Frame f;
       size_t used = 0;
       std::string error;
-      Parse r = parseFrame(
-          c.in.data(), c.in.size(), f, used, error,
-          [](uint16_t code, uint32_t nargs) -> std::string {
-            const auto op = static_cast<Op>(code);
-            uint32_t want = 0;
-            switch (op) {
-              case Op::kSet:
-                want = 2;
-                break;
-              case Op::kGet:
-                want = 2;
-                break;
-              case Op::kAdd:
-                want = 2;
-                break;
-              case Op::kCompareSet:
-                want = 3;
-                break;
-              case Op::kDelete:
-                want = 1;
-                break;
-              case Op::kNumKeys:
-                want = 0;
-                break;
-              case Op::kCheck:
-                return nargs <= kMaxArgs ? "" : fmt::format("check of {} keys exceeds {}", nargs, kMaxArgs);
-              case Op::kWait:
-                return nargs >= 1 && nargs <= kMaxArgs
-                           ? ""
-                           : fmt::format("wait of {} keys exceeds {}", nargs, kMaxArgs);
-              default:
-                return fmt::format("malformed header: unknown operation {}", code);
-            }
-            return nargs == want
-                       ? ""
-                       : fmt::format("malformed header: operation {} with {} arguments", code, nargs);
-          },
-          [](uint16_t code, uint32_t i, uint32_t len) -> std::string {
-            const auto op = static_cast<Op>(code);
-            if (isIntArg(op, i))
-              return len == 8 ? "" : fmt::format("malformed request: integer argument of {} bytes", len);
-            if (isValueArg(op, i))
-              return len <= kStoreMaxValueBytes
-                         ? ""
-                         : fmt::format("value of {} bytes exceeds the store's limit of {} bytes", len,
-                                       kStoreMaxValueBytes);
-            return len <= kStoreMaxKeyBytes
-                       ? ""
-                       : fmt::format("key of {} bytes exceeds the store's limit of {} bytes", len,
-                                     kStoreMaxKeyBytes);
-          });
+      Parse r = parseFrame(c.in.data(), c.in.size(), f, used, error, checkRequestHeader, checkRequestArg);
       if (r == Parse::kIncomplete) {
         if (used > c.in.capacity()) c.in.reserve(used);
         break;
@@ -630,6 +692,12 @@ struct TcpStoreServer::Impl {
   void expireParked() {
     const auto now = Clock::now();
     for (auto& c : conns) {
+      if (c->state != Conn::State::kReady && !c->dead && c->handshake_deadline <= now) {
+        CB_WARN("store", "store server {}: client {} did not complete the handshake in {} ms; closed", addr(),
+                c->peer, kHandshakeTimeout.count());
+        c->dead = true;
+        continue;
+      }
       if (!c->parked || c->dead || c->parked->deadline > now) continue;
       FrameBuilder f(static_cast<uint16_t>(Status::kTimeout));
       for (auto& k : c->parked->keys)
@@ -729,8 +797,10 @@ struct TcpStoreServer::Impl {
   }
 };
 
-TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port) : impl_(std::make_unique<Impl>()) {
+TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port, std::optional<std::string> secret)
+    : impl_(std::make_unique<Impl>()) {
   impl_->host = host;
+  impl_->secret = secret ? std::move(*secret) : auth::loadSecret();
   impl_->bindAndListen(port);
   impl_->wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (impl_->wake_fd < 0) {
@@ -740,7 +810,8 @@ TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port) : impl_(s
   }
   impl_->owner_pid = getpid();
   impl_->thread = std::make_unique<std::thread>([impl = impl_.get()] { impl->run(); });
-  CB_INFO("store", "store server listening on {}", impl_->addr());
+  CB_INFO("store", "store server listening on {}{}", impl_->addr(),
+          impl_->secret.empty() ? " (no authentication: CROSSBAR_SECRET unset)" : " (authenticated)");
 }
 
 TcpStoreServer::~TcpStoreServer() {
@@ -751,6 +822,41 @@ uint16_t TcpStoreServer::port() const {
 }
 void TcpStoreServer::stop() {
   impl_->stop();
+}
+
+std::string TcpStoreServer::serveBytesForTesting(std::string_view input, const std::string& secret,
+                                                 size_t chunk, bool* closed) {
+  Impl impl;  // never listens: no socket, no thread
+  impl.secret = secret;
+  impl.conns.push_back(std::make_unique<Impl::Conn>());
+  Impl::Conn& c = *impl.conns.back();
+  c.peer = "test input";
+  std::string sent;
+  chunk = std::max<size_t>(chunk, 1);
+  for (size_t off = 0; off < input.size() && !c.dead && !c.close_after_flush; off += chunk) {
+    c.in.append(input.substr(off, chunk));
+    for (bool progress = true; progress && !c.dead;) {
+      progress = impl.process(c);
+      sent.append(c.out, c.out_off);  // the peer reads everything at once
+      c.out.clear();
+      c.out_off = 0;
+    }
+  }
+  if (closed) *closed = c.dead || c.close_after_flush;
+  return sent;
+}
+
+size_t TcpStoreServer::decodeRepliesForTesting(std::string_view input, std::string& error) {
+  size_t count = 0, off = 0;
+  for (;;) {
+    Frame f;
+    size_t used = 0;
+    Parse r =
+        parseFrame(input.data() + off, input.size() - off, f, used, error, checkReplyHeader, checkReplyArg);
+    if (r != Parse::kDone) return count;
+    off += used;
+    ++count;
+  }
 }
 
 // ======================================================================================
@@ -769,6 +875,7 @@ struct ReplyTimeout {};
 
 struct TcpStore::Impl {
   TcpStoreOptions options;
+  std::string secret;  // empty: no authentication
   std::unique_ptr<TcpStoreServer> server;
   std::string host;  // where the client connects
   uint16_t port = 0;
@@ -830,16 +937,7 @@ struct TcpStore::Impl {
       Frame f;
       size_t used = 0;
       std::string error;
-      Parse r = parseFrame(
-          in.data(), in.size(), f, used, error,
-          [](uint16_t code, uint32_t nargs) -> std::string {
-            if (code > static_cast<uint16_t>(Status::kError) || nargs > kMaxArgs)
-              return fmt::format("malformed reply header (status {}, {} parts)", code, nargs);
-            return "";
-          },
-          [](uint16_t, uint32_t, uint32_t len) -> std::string {
-            return len <= kStoreMaxValueBytes ? "" : fmt::format("reply part of {} bytes is too large", len);
-          });
+      Parse r = parseFrame(in.data(), in.size(), f, used, error, checkReplyHeader, checkReplyArg);
       if (r == Parse::kDone) {
         in.erase(0, used);
         return f;
@@ -890,9 +988,21 @@ struct TcpStore::Impl {
       std::string hello;
       putU32(hello, kMagic);
       putU16(hello, kProtocolVersion);
-      putU16(hello, 0);  // flags; a bit here will announce authentication
+      putU16(hello, secret.empty() ? 0 : kHelloFlagSecret);
       sendAll(hello, deadline);
       while (in.size() < kHelloBytes) recvSome(deadline);
+      if (getU32(in.data()) == kMagic && getU16(in.data() + 6) == kHelloAuth) {
+        while (in.size() < kHelloBytes + kNonceBytes) recvSome(deadline);
+        if (secret.empty()) {
+          closeFd();
+          throw InvalidUsage(
+              fmt::format("{}the store at {} requires authentication: set CROSSBAR_SECRET (or "
+                          "CROSSBAR_SECRET_FILE) to the job's secret on this rank too",
+                          context("connect"), addr));
+        }
+        authenticate(in.substr(kHelloBytes, kNonceBytes), deadline);
+        in.erase(kHelloBytes, kNonceBytes);
+      }
     } catch (const ConnectionLost& e) {
       err = e.err ? e.err : ECONNRESET;
       closeFd();
@@ -912,7 +1022,16 @@ struct TcpStore::Impl {
                       "store address (MASTER_ADDR/MASTER_PORT or CROSSBAR_STORE_ADDR)",
                       context("connect"), addr));
     }
-    if (status != kHelloOk) {
+    if (status == kHelloOk && !secret.empty()) {
+      // We could not tell this server from an impostor: refuse rather than leak keys to it.
+      closeFd();
+      throw InvalidUsage(
+          fmt::format("{}CROSSBAR_SECRET (or CROSSBAR_SECRET_FILE) is set here, but the store at {} does "
+                      "not authenticate: set the same secret where the store runs (rank 0 or "
+                      "crossbar-store), or unset it on every rank",
+                      context("connect"), addr));
+    }
+    if (status != kHelloOk && status != kHelloAuth) {
       closeFd();
       throw InvalidUsage(
           fmt::format("{}the store at {} speaks store protocol version {}, this client speaks {}; "
@@ -921,6 +1040,36 @@ struct TcpStore::Impl {
     }
     fd = -1;  // handed to the caller
     return s;
+  }
+
+  // Answers the server's challenge and checks its proof. Throws InvalidUsage when
+  // either side's secret is wrong (retrying cannot help); I/O errors propagate.
+  void authenticate(const std::string& server_nonce, Deadline deadline) {
+    const std::string client_nonce = auth::randomBytes(kNonceBytes);
+    const auth::Digest mac = auth::hmacSha256(secret, authMessage(server_nonce, kClientLabel, client_nonce));
+    std::string answer = client_nonce;
+    answer.append(reinterpret_cast<const char*>(mac.data()), mac.size());
+    sendAll(answer, deadline);
+    const size_t at = kHelloBytes + kNonceBytes;  // `in` still holds hello and nonce
+    while (in.size() < at + 4) recvSome(deadline);
+    if (getU16(in.data() + at) != kAuthOk) {
+      closeFd();
+      throw InvalidUsage(
+          fmt::format("{}the store at {} rejected our credentials: CROSSBAR_SECRET differs "
+                      "between ranks? Give every rank and the store the same secret",
+                      context("connect"), addr));
+    }
+    while (in.size() < at + 4 + kMacBytes) recvSome(deadline);
+    const auth::Digest want = auth::hmacSha256(secret, authMessage(client_nonce, kServerLabel, server_nonce));
+    if (!auth::constantTimeEqual(want.data(), in.data() + at + 4, kMacBytes)) {
+      closeFd();
+      throw InvalidUsage(
+          fmt::format("{}the store at {} could not prove it knows CROSSBAR_SECRET: the "
+                      "secret differs between ranks, or something else answers at that "
+                      "address",
+                      context("connect"), addr));
+    }
+    in.erase(at, 4 + kMacBytes);
   }
 
   // Connects with retry until `window` passes (the server may start later).
@@ -1027,10 +1176,11 @@ struct TcpStore::Impl {
 
 TcpStore::TcpStore(const TcpStoreOptions& options) : impl_(std::make_unique<Impl>()) {
   impl_->options = options;
+  impl_->secret = options.secret ? *options.secret : auth::loadSecret();
   impl_->host = options.host;
   impl_->port = options.port;
   if (options.is_server) {
-    impl_->server = std::make_unique<TcpStoreServer>(options.host, options.port);
+    impl_->server = std::make_unique<TcpStoreServer>(options.host, options.port, impl_->secret);
     impl_->port = impl_->server->port();
     // A wildcard bind address is not a destination; reach our own server on loopback.
     if (options.host.empty() || options.host == "0.0.0.0")

@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "comm/store.h"
 
@@ -16,15 +18,27 @@ struct TcpStoreOptions {
   uint16_t port = 0;               // server: 0 picks a free port
   bool is_server = false;          // also run a server in this process
   Millis connect_timeout{60'000};  // how long a client keeps retrying to connect
+  // Shared job secret for the HMAC handshake; unset: auth::loadSecret() (CROSSBAR_SECRET
+  // or CROSSBAR_SECRET_FILE). Empty: no authentication.
+  std::optional<std::string> secret;
 };
 
 class TcpStoreServer {
  public:
-  // Binds and starts serving on a background thread.
-  TcpStoreServer(const std::string& host, uint16_t port);
+  // Binds and starts serving on a background thread. `secret` as in TcpStoreOptions.
+  TcpStoreServer(const std::string& host, uint16_t port, std::optional<std::string> secret = std::nullopt);
   ~TcpStoreServer();
   uint16_t port() const;
   void stop();
+
+  // The server's protocol state machine without sockets (fuzzing, tests): one fresh
+  // connection receives `input` in pieces of `chunk` bytes and gets whatever it would
+  // be sent. Returns the bytes sent back; `closed` says whether the server hung up.
+  static std::string serveBytesForTesting(std::string_view input, const std::string& secret, size_t chunk,
+                                          bool* closed = nullptr);
+  // The client's reply decoding without sockets: how many complete replies `input`
+  // holds before a malformed one (then `error` says why) or an incomplete tail.
+  static size_t decodeRepliesForTesting(std::string_view input, std::string& error);
 
  private:
   struct Impl;
