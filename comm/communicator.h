@@ -83,6 +83,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Lower layers' access.
   int worldRank(int rank) const { return members_[rank]; }
   Context& context() const { return *context_; }
+  // For layers that must notice an abort without keeping the context alive.
+  std::weak_ptr<Context> contextHandle() const { return context_; }
   ProgressEngine& engine() const;
   Store& store() const;                   // namespaced for this communicator
   std::shared_ptr<Store> storePtr() const;

@@ -155,6 +155,7 @@ struct HeapImpl {
   std::vector<int> world;                             // communicator rank -> context rank (UCX endpoints)
   std::vector<std::string> no_route;         // by rank: why an off-node peer is unreachable ("" if fine)
   std::shared_ptr<ucx::UcxContext> any_ucx;  // the (shared) context, if any
+  std::weak_ptr<Context> context;            // to notice abort/revoke while waiting
   std::shared_ptr<Store> store;
   std::shared_ptr<SegmentAllocator> allocator;
   std::mutex mutex;  // allocation order
@@ -196,6 +197,7 @@ SymmetricHeap SymmetricHeap::create(std::shared_ptr<Communicator> comm, HeapOpti
   h->allocator =
       options.allocator ? options.allocator : std::shared_ptr<SegmentAllocator>(makeHostSegmentAllocator());
   h->store = comm->storePtr();
+  h->context = comm->contextHandle();
   for (int r = 0; r < h->size; ++r) {
     h->node_of.push_back(comm->nodeOf(r));
     h->hosts.push_back(comm->host(r));
@@ -614,6 +616,13 @@ void SymmetricBuffer::waitSlot(int peer, size_t slot_index, uint64_t value, int 
     }
     if (Clock::now() >= next_check) {
       next_check = Clock::now() + kSleepSlice;
+      // An aborted (revoked) communicator releases every wait on its buffers.
+      if (auto c = heap_->context.lock(); c && c->aborted()) {
+        if (auto e = c->abortError()) std::rethrow_exception(e);
+        throw Aborted(heap_->ctx(op) + fmt::format("the communicator was aborted ({}) while this rank waited "
+                                                   "for {}'s signal on {}",
+                                                   c->abortReason(), heap_->peerText(peer), describeChannel(channel)));
+      }
       if (local && heap_->conns[peer].valid() && heap_->conns[peer].peerClosed() && !reached())
         throw PeerFailure(heap_->ctx(op) + fmt::format("{} exited or crashed while this rank waited for its "
                                                        "signal on {} of buffer #{}",
