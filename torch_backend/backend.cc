@@ -18,7 +18,9 @@ namespace {
 // ---- store ----------------------------------------------------------------------------
 
 // At least 1 ms: a c10d store reads a zero timeout as "wait forever".
-std::chrono::milliseconds storeTimeout(Deadline d) { return std::max(d.remaining(), Millis(1)); }
+std::chrono::milliseconds storeTimeout(Deadline d) {
+  return std::max(d.remaining(), Millis(1));
+}
 
 // c10d's store errors as crossbar's typed ones (DistStoreError is what a wait's timeout throws).
 [[noreturn]] void rethrowStoreError(const std::string& what) {
@@ -27,9 +29,8 @@ std::chrono::milliseconds storeTimeout(Deadline d) { return std::max(d.remaining
   } catch (const c10::DistStoreError& e) {
     throw Timeout(fmt::format("{}torch store: {} timed out: {}", errorContext(-1, "store"), what, e.what()));
   } catch (const c10::DistNetworkError& e) {
-    throw PeerFailure(
-        fmt::format("{}torch store: {} failed; is the store server still up? {}", errorContext(-1, "store"), what,
-                    e.what()));
+    throw PeerFailure(fmt::format("{}torch store: {} failed; is the store server still up? {}",
+                                  errorContext(-1, "store"), what, e.what()));
   } catch (const crossbar::Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -39,7 +40,9 @@ std::chrono::milliseconds storeTimeout(Deadline d) { return std::max(d.remaining
 
 // ---- tensors --------------------------------------------------------------------------
 
-std::string scalarName(at::ScalarType s) { return c10::toString(s); }
+std::string scalarName(at::ScalarType s) {
+  return c10::toString(s);
+}
 
 void checkTensor(const at::Tensor& t, int rank, const char* op) {
   if (!t.defined()) throw InvalidArgument(errorContext(rank, op) + "a tensor argument is undefined (None)");
@@ -48,8 +51,9 @@ void checkTensor(const at::Tensor& t, int rank, const char* op) {
                       "crossbar's CUDA path is not built yet; use 'cpu:crossbar,cuda:nccl' "
                       "(init_process_group(backend=\"cpu:crossbar,cuda:nccl\")) to run CUDA tensors on NCCL");
   if (!t.device().is_cpu())
-    throw Unsupported(fmt::format("{}tensors on device type '{}' are not supported; crossbar runs CPU tensors",
-                                  errorContext(rank, op), c10::DeviceTypeName(t.device().type(), true)));
+    throw Unsupported(
+        fmt::format("{}tensors on device type '{}' are not supported; crossbar runs CPU tensors",
+                    errorContext(rank, op), c10::DeviceTypeName(t.device().type(), true)));
   if (t.layout() != at::kStrided)
     throw Unsupported(fmt::format("{}{} tensors are not supported; crossbar runs dense (strided) tensors",
                                   errorContext(rank, op), c10::toString(t.layout())));
@@ -61,8 +65,9 @@ void checkTensors(const std::vector<at::Tensor>& ts, int rank, const char* op) {
 
 void checkSingle(const std::vector<at::Tensor>& ts, int rank, const char* op) {
   if (ts.size() != 1)
-    throw InvalidArgument(fmt::format("{}expected exactly one tensor per call, got {} (one CPU tensor per rank)",
-                                      errorContext(rank, op), ts.size()));
+    throw InvalidArgument(
+        fmt::format("{}expected exactly one tensor per call, got {} (one CPU tensor per rank)",
+                    errorContext(rank, op), ts.size()));
   checkTensor(ts[0], rank, op);
 }
 
@@ -165,14 +170,16 @@ Reduction mapReduction(at::ScalarType s, const c10d::ReduceOp& rop, int rank, co
     // bool as uint8 0/1: or = max, and = min; a sum could leave values above 1.
     if (r.op == ReduceOp::kSum || r.op == ReduceOp::kMax) return {DataType::kUInt8, ReduceOp::kMax};
     if (r.op == ReduceOp::kProd || r.op == ReduceOp::kMin) return {DataType::kUInt8, ReduceOp::kMin};
-    throw Unsupported(fmt::format("{}reduce op {} is not defined for bool tensors; use SUM, MAX, MIN or PRODUCT",
-                                  errorContext(rank, opname), reduceOpName(r.op)));
+    throw Unsupported(
+        fmt::format("{}reduce op {} is not defined for bool tensors; use SUM, MAX, MIN or PRODUCT",
+                    errorContext(rank, opname), reduceOpName(r.op)));
   }
   auto t = mapType(s);
   if (!t)
-    throw Unsupported(fmt::format("{}dtype {} is not supported for reductions by crossbar; supported: {}. "
-                                  "Convert the tensor (e.g. .to(torch.int32)) or use a gloo group",
-                                  errorContext(rank, opname), scalarName(s), kSupportedTypes));
+    throw Unsupported(
+        fmt::format("{}dtype {} is not supported for reductions by crossbar; supported: {}. "
+                    "Convert the tensor (e.g. .to(torch.int32)) or use a gloo group",
+                    errorContext(rank, opname), scalarName(s), kSupportedTypes));
   r.type = *t;
   if (r.op == ReduceOp::kPreMulSum && !isFloating(r.type))
     throw Unsupported(fmt::format("{}PREMUL_SUM needs a floating-point tensor, got {}; use SUM and scale",
@@ -181,7 +188,9 @@ Reduction mapReduction(at::ScalarType s, const c10d::ReduceOp& rop, int rank, co
 }
 
 // A contiguous tensor holding `t`'s data (t itself when already contiguous).
-at::Tensor contiguousCopy(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+at::Tensor contiguousCopy(const at::Tensor& t) {
+  return t.is_contiguous() ? t : t.contiguous();
+}
 
 // Where an op writes `out`: out itself, or a contiguous stand-in copied back afterwards.
 at::Tensor outputStage(const at::Tensor& out, bool keep_contents, std::vector<std::function<void()>>& post) {
@@ -198,12 +207,15 @@ std::function<void()> sequence(std::vector<std::function<void()>> fs) {
   };
 }
 
-size_t elems(const at::Tensor& t) { return static_cast<size_t>(t.numel()); }
+size_t elems(const at::Tensor& t) {
+  return static_cast<size_t>(t.numel());
+}
 
 void checkSameType(const at::Tensor& a, const at::Tensor& b, int rank, const char* op) {
   if (a.scalar_type() != b.scalar_type())
-    throw InvalidArgument(fmt::format("{}tensors must have the same dtype, got {} and {}", errorContext(rank, op),
-                                      scalarName(a.scalar_type()), scalarName(b.scalar_type())));
+    throw InvalidArgument(fmt::format("{}tensors must have the same dtype, got {} and {}",
+                                      errorContext(rank, op), scalarName(a.scalar_type()),
+                                      scalarName(b.scalar_type())));
 }
 
 // OpTypes of the coalesced tensor collectives, where this torch version has them (they
@@ -226,7 +238,9 @@ constexpr T reduceScatterCoalescedType(...) {
 }
 
 // A flat contiguous tensor of n elements, of t's dtype.
-at::Tensor flatLike(const at::Tensor& t, int64_t n) { return at::empty({n}, t.options()); }
+at::Tensor flatLike(const at::Tensor& t, int64_t n) {
+  return at::empty({n}, t.options());
+}
 
 }  // namespace
 
@@ -497,7 +511,9 @@ void CrossbarBackend::abort() {
   shutdown();
 }
 
-void CrossbarBackend::setTimeout(std::chrono::milliseconds timeout) { timeout_ms_ = timeout.count(); }
+void CrossbarBackend::setTimeout(std::chrono::milliseconds timeout) {
+  timeout_ms_ = timeout.count();
+}
 
 #if CROSSBAR_TORCH_AT_LEAST(2, 6)
 c10d::ErrorType CrossbarBackend::getError() {
@@ -521,7 +537,8 @@ Millis CrossbarBackend::timeoutOf(std::chrono::milliseconds requested) const {
 
 void CrossbarBackend::ensureUsable(const char* op) const {
   if (shut_down_ || !coll_)
-    throw InvalidUsage(errorContext(rank_, op) + "the process group was shut down or aborted; create a new one");
+    throw InvalidUsage(errorContext(rank_, op) +
+                       "the process group was shut down or aborted; create a new one");
 }
 
 void CrossbarBackend::completionLoop() {
@@ -650,7 +667,8 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   checkTensors(tensors, rank_, "allreduce_coalesced");
   std::vector<Reduction> rs;
-  for (const auto& t : tensors) rs.push_back(mapReduction(t.scalar_type(), opts.reduceOp, rank_, "allreduce"));
+  for (const auto& t : tensors)
+    rs.push_back(mapReduction(t.scalar_type(), opts.reduceOp, rank_, "allreduce"));
   CollOptions o{timeoutOf(opts.timeout), "", rs.empty() ? 1.0 : rs[0].scalar};
   return submit(c10d::OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors, o.timeout,
                 [&](CrossbarWork& w) {
@@ -786,8 +804,8 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allgather_coalesced(
                     for (size_t r = 0; r < outputs.size(); ++r)
                       for (size_t i = 0; i < flats.size(); ++i) {
                         const int64_t n = outputs[r][i].numel();
-                        outputs[r][i].copy_(flats[i].narrow(0, static_cast<int64_t>(r) * n, n)
-                                                .view(outputs[r][i].sizes()));
+                        outputs[r][i].copy_(
+                            flats[i].narrow(0, static_cast<int64_t>(r) * n, n).view(outputs[r][i].sizes()));
                       }
                   };
                 });
@@ -922,7 +940,8 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce_scatter(std::vector<at::T
     checkTensor(i, rank_, "reduce_scatter");
     checkSameType(i, out, rank_, "reduce_scatter");
     if (i.numel() != out.numel())
-      throw InvalidArgument(errorContext(rank_, "reduce_scatter") + "input tensors must match the output's size");
+      throw InvalidArgument(errorContext(rank_, "reduce_scatter") +
+                            "input tensors must match the output's size");
   }
   Reduction r = mapReduction(out.scalar_type(), opts.reduceOp, rank_, "reduce_scatter");
   CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
@@ -961,7 +980,8 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::_reduce_scatter_base(at::Tensor&
 }
 
 c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce_scatter_tensor_coalesced(
-    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
   if (outputs.size() != inputs.size())
     throw InvalidArgument(errorContext(rank_, "reduce_scatter_tensor_coalesced") +
                           "needs as many outputs as inputs");
@@ -973,7 +993,8 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce_scatter_tensor_coalesced(
     if (inputs[i].numel() != outputs[i].numel() * size_)
       throw InvalidArgument(errorContext(rank_, "reduce_scatter_tensor_coalesced") +
                             "each input needs output size x world size elements");
-    rs.push_back(mapReduction(outputs[i].scalar_type(), opts.reduceOp, rank_, "reduce_scatter_tensor_coalesced"));
+    rs.push_back(
+        mapReduction(outputs[i].scalar_type(), opts.reduceOp, rank_, "reduce_scatter_tensor_coalesced"));
   }
   CollOptions o{timeoutOf(opts.timeout), "", rs.empty() ? 1.0 : rs[0].scalar};
   return submit(reduceScatterCoalescedType<c10d::OpType>(0), "reduce_scatter_tensor_coalesced", outputs,
@@ -986,7 +1007,8 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce_scatter_tensor_coalesced(
                       at::Tensor src = contiguousCopy(inputs[i]);
                       w.keepalive.push_back(dst);
                       w.keepalive.push_back(src);
-                      coll_->reduceScatter(src.data_ptr(), dst.data_ptr(), elems(dst), rs[i].type, rs[i].op, o);
+                      coll_->reduceScatter(src.data_ptr(), dst.data_ptr(), elems(dst), rs[i].type, rs[i].op,
+                                           o);
                     }
                   } catch (...) {
                     coll_->groupEnd();
@@ -1009,9 +1031,10 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::alltoall_base(at::Tensor& output
   const bool even = output_splits.empty() && input_splits.empty();
   if (even) {
     if (input.numel() % size_ != 0 || output.numel() != input.numel())
-      throw InvalidArgument(fmt::format("{}without split sizes, input and output need the same number of "
-                                        "elements, divisible by the world size ({}); got {} and {}",
-                                        errorContext(rank_, op), size_, input.numel(), output.numel()));
+      throw InvalidArgument(
+          fmt::format("{}without split sizes, input and output need the same number of "
+                      "elements, divisible by the world size ({}); got {} and {}",
+                      errorContext(rank_, op), size_, input.numel(), output.numel()));
   }
   // Split sizes count dim-0 slices; crossbar counts elements.
   auto counts = [&](const std::vector<int64_t>& splits, const at::Tensor& t, const char* which) {
@@ -1020,15 +1043,16 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::alltoall_base(at::Tensor& output
     const int64_t row = rows > 0 ? t.numel() / rows : 0;
     if (splits.empty()) {
       if (rows % size_ != 0)
-        throw InvalidArgument(fmt::format("{}{} dim 0 ({}) is not divisible by the world size ({}); pass split "
-                                          "sizes",
-                                          errorContext(rank_, op), which, rows, size_));
+        throw InvalidArgument(
+            fmt::format("{}{} dim 0 ({}) is not divisible by the world size ({}); pass split "
+                        "sizes",
+                        errorContext(rank_, op), which, rows, size_));
       for (auto& x : c) x = static_cast<size_t>(rows / size_ * row);
       return c;
     }
     if (splits.size() != static_cast<size_t>(size_))
-      throw InvalidArgument(fmt::format("{}{} split sizes have {} entries, expected {}", errorContext(rank_, op),
-                                        which, splits.size(), size_));
+      throw InvalidArgument(fmt::format("{}{} split sizes have {} entries, expected {}",
+                                        errorContext(rank_, op), which, splits.size(), size_));
     int64_t total = 0;
     for (int i = 0; i < size_; ++i) {
       if (splits[i] < 0) throw InvalidArgument(errorContext(rank_, op) + "split sizes must not be negative");
@@ -1036,8 +1060,8 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::alltoall_base(at::Tensor& output
       c[i] = static_cast<size_t>(splits[i] * row);
     }
     if (total != rows)
-      throw InvalidArgument(fmt::format("{}{} split sizes add up to {} but dim 0 is {}", errorContext(rank_, op),
-                                        which, total, rows));
+      throw InvalidArgument(fmt::format("{}{} split sizes add up to {} but dim 0 is {}",
+                                        errorContext(rank_, op), which, total, rows));
     return c;
   };
   std::vector<size_t> scounts = counts(input_splits, input, "input");
@@ -1067,7 +1091,8 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::alltoall(std::vector<at::Tensor>
                                                          const c10d::AllToAllOptions& opts) {
   if (outputs.size() != static_cast<size_t>(size_) || inputs.size() != static_cast<size_t>(size_))
     throw InvalidArgument(fmt::format("{}expected {} input and output tensors (one per rank), got {} and {}",
-                                      errorContext(rank_, "all_to_all"), size_, inputs.size(), outputs.size()));
+                                      errorContext(rank_, "all_to_all"), size_, inputs.size(),
+                                      outputs.size()));
   checkTensors(inputs, rank_, "all_to_all");
   checkTensors(outputs, rank_, "all_to_all");
   for (int i = 0; i < size_; ++i) {
@@ -1114,13 +1139,14 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::barrier(const c10d::BarrierOptio
 namespace {
 void checkP2p(int peer, int size, int rank, int tag, const char* op) {
   if (peer < 0 || peer >= size)
-    throw InvalidArgument(fmt::format("{}peer {} is out of range for a group of {} ranks", errorContext(rank, op),
-                                      peer, size));
+    throw InvalidArgument(
+        fmt::format("{}peer {} is out of range for a group of {} ranks", errorContext(rank, op), peer, size));
   if (peer == rank)
-    throw InvalidArgument(fmt::format("{}peer {} is this rank; copy locally instead", errorContext(rank, op), peer));
+    throw InvalidArgument(
+        fmt::format("{}peer {} is this rank; copy locally instead", errorContext(rank, op), peer));
   if (tag < 0 || static_cast<uint32_t>(tag) >= kInternalTagBase)
-    throw InvalidArgument(fmt::format("{}tag {} is out of range (0 <= tag < {:#x})", errorContext(rank, op), tag,
-                                      kInternalTagBase));
+    throw InvalidArgument(fmt::format("{}tag {} is out of range (0 <= tag < {:#x})", errorContext(rank, op),
+                                      tag, kInternalTagBase));
 }
 }  // namespace
 
@@ -1163,10 +1189,12 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::recv(std::vector<at::Tensor>& te
       true);
 }
 
-c10::intrusive_ptr<c10d::Work> CrossbarBackend::recvAnysource(std::vector<at::Tensor>& /*tensors*/, int /*tag*/) {
-  throw Unsupported(errorContext(rank_, "recv") +
-                    "receiving from any source (recv without src) is not supported by crossbar yet; pass src=, "
-                    "or use a gloo group for this receive");
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::recvAnysource(std::vector<at::Tensor>& /*tensors*/,
+                                                              int /*tag*/) {
+  throw Unsupported(
+      errorContext(rank_, "recv") +
+      "receiving from any source (recv without src) is not supported by crossbar yet; pass src=, "
+      "or use a gloo group for this receive");
 }
 
 // ---- coalescing: collectives go into one crossbar group; point to point is already
@@ -1175,11 +1203,12 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::recvAnysource(std::vector<at::Te
 void CrossbarBackend::startCoalescing() {
   ensureUsable("start_coalescing");
   if (coalescing_)
-    throw InvalidUsage(errorContext(rank_, "start_coalescing") + "already coalescing; end the open batch first");
+    throw InvalidUsage(errorContext(rank_, "start_coalescing") +
+                       "already coalescing; end the open batch first");
   coll_->groupStart();
   coalescing_ = true;
-  coalesced_ = c10::make_intrusive<CrossbarWork>(rank_, c10d::OpType::COALESCED, nullptr, std::vector<at::Tensor>{},
-                                                 Millis(timeout_ms_.load()));
+  coalesced_ = c10::make_intrusive<CrossbarWork>(rank_, c10d::OpType::COALESCED, nullptr,
+                                                 std::vector<at::Tensor>{}, Millis(timeout_ms_.load()));
 }
 
 c10::intrusive_ptr<c10d::Work> CrossbarBackend::endCoalescing() {

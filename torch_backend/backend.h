@@ -7,9 +7,6 @@
 // are plain members elsewhere), and types that are version-specific are guarded.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/version.h>
 
 #include <chrono>
@@ -20,6 +17,9 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
 #include "collectives/collectives.h"

@@ -71,8 +71,8 @@ PYBIND11_MODULE(_C, m) {
              opts->name = name;
              return c10::make_intrusive<CrossbarBackend>(store, rank, size, opts);
            }),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("ranks_per_node") = -1,
-           py::arg("name") = "", py::call_guard<py::gil_scoped_release>(),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+           py::arg("ranks_per_node") = -1, py::arg("name") = "", py::call_guard<py::gil_scoped_release>(),
            "Collective: every rank of the group constructs one (rendezvous through `store`).")
       .def_property_readonly("supports_coalescing", [](const CrossbarBackend&) { return true; })
       .def("describe", [](const CrossbarBackend& b) { return b.communicator().describe(); })
