@@ -20,6 +20,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -29,7 +30,9 @@
 #include <cerrno>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <optional>
+#include <shared_mutex>
 #include <thread>
 #include <unordered_map>
 
@@ -320,6 +323,28 @@ std::string authMessage(std::string_view first_nonce, std::string_view label, st
 // Server
 // ======================================================================================
 
+namespace {
+
+// Server threads hold this (shared) while they work, and fork() takes it exclusively:
+// a child forked while a server thread held an allocator lock (ASan's, found by
+// scripts/sanitize.sh) or the log mutex would deadlock on its first use of it.
+std::shared_mutex& forkGate() {
+  static std::shared_mutex gate;
+  return gate;
+}
+
+void installForkGate() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    ::pthread_atfork([] { forkGate().lock(); }, [] { forkGate().unlock(); },
+                     // The child's thread is not the owner (glibc refuses that unlock), and
+                     // no server thread exists there: start from a fresh gate.
+                     [] { new (&forkGate()) std::shared_mutex; });
+  });
+}
+
+}  // namespace
+
 struct TcpStoreServer::Impl {
   struct Parked {
     Op op;
@@ -429,6 +454,7 @@ struct TcpStoreServer::Impl {
   void run() {
     std::vector<pollfd> pfds;
     while (!stopping.load()) {
+      std::shared_lock<std::shared_mutex> gate(forkGate());  // released only while polling
       pfds.clear();
       pfds.push_back({wake_fd, POLLIN, 0});
       const bool accepting = Clock::now() >= accept_paused_until;
@@ -439,7 +465,10 @@ struct TcpStoreServer::Impl {
         if (c->pendingOut()) ev |= POLLOUT;
         pfds.push_back({c->fd, ev, 0});
       }
-      int rc = ::poll(pfds.data(), pfds.size(), pollTimeout(accepting));
+      const int timeout_ms = pollTimeout(accepting);
+      gate.unlock();
+      int rc = ::poll(pfds.data(), pfds.size(), timeout_ms);
+      gate.lock();
       if (rc < 0) {
         if (errno == EINTR) continue;
         CB_WARN("store", "store server {}: poll failed: {}", addr(), std::strerror(errno));
@@ -809,6 +838,7 @@ TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port, std::opti
     throwSystemError(-1, "store server eventfd", err);
   }
   impl_->owner_pid = getpid();
+  installForkGate();
   impl_->thread = std::make_unique<std::thread>([impl = impl_.get()] { impl->run(); });
   CB_INFO("store", "store server listening on {}{}", impl_->addr(),
           impl_->secret.empty() ? " (no authentication: CROSSBAR_SECRET unset)" : " (authenticated)");

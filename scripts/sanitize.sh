@@ -5,6 +5,7 @@
 #   scripts/sanitize.sh --quick    ASan+UBSan only, comm/store/topology/bootstrap/hardening and
 #                                  collectives-math tests (the CI option: a few minutes)
 #   scripts/sanitize.sh --asan | --tsan   one of the two, whole suite
+#   scripts/sanitize.sh --quick --tsan    the quick test set under TSan instead
 #   extra arguments after -- go to ctest (e.g. -- -R Store)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ while (($#)); do
     --asan) mode=asan ;;
     --tsan) mode=tsan ;;
     --) shift; ctest_args=("$@"); break ;;
-    -h|--help) sed -n 2,9p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,10p "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -41,6 +42,9 @@ leak:libucp.so
 leak:libhwloc.so
 leak:libltdl.so
 SUPP
+# hwloc's PCI plugin leaks inside libpciaccess and is dlclose'd before the leak check, so the
+# report has no module to suppress by; crossbar's tests do not need PCI discovery.
+export HWLOC_COMPONENTS=${HWLOC_COMPONENTS:--pci}
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:halt_on_error=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=0:check_initialization_order=1}
 export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$supp_dir/lsan.supp:print_suppressions=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
