@@ -27,7 +27,9 @@ need_py=()
 for p in "${PY_PACKAGES[@]}"; do python3 -c "import $p" 2>/dev/null || need_py+=("$p"); done
 if ((${#need_py[@]})); then
   echo "setup: pip installing ${need_py[*]}"
-  python3 -m pip install -q --disable-pip-version-check "${need_py[@]}"
+  # A Debian-managed python3 refuses plain pip installs (PEP 668); say we mean it.
+  python3 -m pip install -q --disable-pip-version-check "${need_py[@]}" ||
+    python3 -m pip install -q --disable-pip-version-check --break-system-packages "${need_py[@]}"
 fi
 
 CMAKE_ARGS=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo)
