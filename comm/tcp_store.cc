@@ -30,9 +30,7 @@
 #include <cerrno>
 #include <cstring>
 #include <mutex>
-#include <new>
 #include <optional>
-#include <shared_mutex>
 #include <thread>
 #include <unordered_map>
 
@@ -328,20 +326,40 @@ namespace {
 // Server threads hold this (shared) while they work, and fork() takes it exclusively:
 // a child forked while a server thread held an allocator lock (ASan's, found by
 // scripts/sanitize.sh) or the log mutex would deadlock on its first use of it.
-std::shared_mutex& forkGate() {
-  static std::shared_mutex gate;
-  return gate;
-}
+pthread_rwlock_t fork_gate = PTHREAD_RWLOCK_INITIALIZER;
 
 void installForkGate() {
+#if defined(__SANITIZE_THREAD__)
+  return;  // TSan serializes fork itself and cannot follow the child's re-init of the gate
+#endif
   static std::once_flag once;
   std::call_once(once, [] {
-    ::pthread_atfork([] { forkGate().lock(); }, [] { forkGate().unlock(); },
+    ::pthread_atfork([] { ::pthread_rwlock_wrlock(&fork_gate); }, [] { ::pthread_rwlock_unlock(&fork_gate); },
                      // The child's thread is not the owner (glibc refuses that unlock), and
                      // no server thread exists there: start from a fresh gate.
-                     [] { new (&forkGate()) std::shared_mutex; });
+                     [] { ::pthread_rwlock_init(&fork_gate, nullptr); });
   });
 }
+
+// Shared hold of the fork gate for one loop iteration of a server thread.
+class GateReader {
+ public:
+  GateReader() { lock(); }
+  ~GateReader() {
+    if (held_) unlock();
+  }
+  void lock() {
+    ::pthread_rwlock_rdlock(&fork_gate);
+    held_ = true;
+  }
+  void unlock() {
+    ::pthread_rwlock_unlock(&fork_gate);
+    held_ = false;
+  }
+
+ private:
+  bool held_ = false;
+};
 
 }  // namespace
 
@@ -454,7 +472,7 @@ struct TcpStoreServer::Impl {
   void run() {
     std::vector<pollfd> pfds;
     while (!stopping.load()) {
-      std::shared_lock<std::shared_mutex> gate(forkGate());  // released only while polling
+      GateReader gate;  // released only while polling
       pfds.clear();
       pfds.push_back({wake_fd, POLLIN, 0});
       const bool accepting = Clock::now() >= accept_paused_until;
