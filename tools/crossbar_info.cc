@@ -120,6 +120,8 @@ std::vector<VariableState> variables() {
         s.error = e.what();
       }
     }
+    // Never print the store's shared job secret.
+    if (s.set && v.name == "CROSSBAR_SECRET") s.value = "(set, hidden)";
     out.push_back(std::move(s));
   }
   return out;
