@@ -182,6 +182,23 @@ std::vector<CUmemAccessDesc> accessList(const DriverApi& api, int device, bool p
   return list;
 }
 
+// Tears down what create/import built, in reverse order: unmap, free the VA range,
+// release the physical handle. Shared by local and peer allocations.
+void releaseMapping(unsigned long long& handle, unsigned long long& ptr, bool& mapped, size_t& size,
+                    const char* who) noexcept {
+  if (!handle && !ptr) return;
+  if (driverAvailable()) {
+    const DriverApi& api = driver(who);
+    if (mapped) api.cuMemUnmap(ptr, size);
+    if (ptr) api.cuMemAddressFree(ptr, size);
+    if (handle) api.cuMemRelease(handle);
+  }
+  handle = 0;
+  ptr = 0;
+  mapped = false;
+  size = 0;
+}
+
 }  // namespace
 
 VmmAllocation VmmAllocation::create(size_t bytes, int device, VmmOptions options) {
@@ -275,18 +292,7 @@ VmmAllocation::~VmmAllocation() {
 }
 
 void VmmAllocation::reset() noexcept {
-  if (!handle_ && !ptr_) return;
-  if (driverAvailable()) {
-    const DriverApi& api = driver("VmmAllocation::~VmmAllocation");
-    // Unmap before freeing the VA range; release the physical handle last.
-    if (mapped_) api.cuMemUnmap(ptr_, size_);
-    if (ptr_) api.cuMemAddressFree(ptr_, size_);
-    if (handle_) api.cuMemRelease(handle_);
-  }
-  handle_ = 0;
-  ptr_ = 0;
-  mapped_ = false;
-  size_ = 0;
+  releaseMapping(handle_, ptr_, mapped_, size_, "VmmAllocation::~VmmAllocation");
 }
 
 int VmmAllocation::exportFd() const {
@@ -399,17 +405,7 @@ MappedPeerAllocation::~MappedPeerAllocation() {
 }
 
 void MappedPeerAllocation::reset() noexcept {
-  if (!handle_ && !ptr_) return;
-  if (driverAvailable()) {
-    const DriverApi& api = driver("MappedPeerAllocation::~MappedPeerAllocation");
-    if (mapped_) api.cuMemUnmap(ptr_, size_);
-    if (ptr_) api.cuMemAddressFree(ptr_, size_);
-    if (handle_) api.cuMemRelease(handle_);
-  }
-  handle_ = 0;
-  ptr_ = 0;
-  mapped_ = false;
-  size_ = 0;
+  releaseMapping(handle_, ptr_, mapped_, size_, "MappedPeerAllocation::~MappedPeerAllocation");
 }
 
 // ---- multicast ----------------------------------------------------------------------------
