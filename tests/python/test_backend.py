@@ -151,14 +151,16 @@ def test_ddp_matches_gloo():
 
 TORCHRUN_SCRIPT = textwrap.dedent(
     """
-    import torch, torch.distributed as dist
+    import os, sys, torch, torch.distributed as dist
     import crossbar
     dist.init_process_group("crossbar")
     t = torch.full((4,), float(dist.get_rank() + 1))
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((4,), 3.0)), t
     assert dist.get_backend() == "crossbar"
-    print("rank", dist.get_rank(), "ok", flush=True)
+    # One marker file per rank: the ranks share stdout, so printed lines can interleave.
+    with open(os.path.join(sys.argv[1], "rank%d.ok" % dist.get_rank()), "w") as f:
+        f.write("ok")
     dist.destroy_process_group()
     """
 )
@@ -167,7 +169,8 @@ TORCHRUN_SCRIPT = textwrap.dedent(
 def test_torchrun(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(TORCHRUN_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ))
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "rank 0 ok" in res.stdout and "rank 1 ok" in res.stdout
+    for rank in (0, 1):
+        assert (tmp_path / ("rank%d.ok" % rank)).exists(), res.stdout + res.stderr
