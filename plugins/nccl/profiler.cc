@@ -18,7 +18,7 @@
 #include <string>
 
 #include "plugins/nccl/nccl_profiler_v5.h"
-#include "plugins/telemetry/telemetry.h"
+#include "telemetry/telemetry.h"
 
 namespace {
 

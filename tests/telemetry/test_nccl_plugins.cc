@@ -12,7 +12,7 @@
 
 #include "plugins/nccl/nccl_profiler_v5.h"
 #include "plugins/nccl/nccl_tuner_v5.h"
-#include "plugins/telemetry/telemetry.h"
+#include "telemetry/telemetry.h"
 
 namespace crossbar::telemetry {
 namespace {

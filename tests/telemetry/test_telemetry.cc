@@ -13,8 +13,8 @@
 #include <thread>
 
 #include "harness/multiprocess.h"
-#include "plugins/telemetry/aggregate.h"
-#include "plugins/telemetry/telemetry.h"
+#include "telemetry/aggregate.h"
+#include "telemetry/telemetry.h"
 
 namespace crossbar::telemetry {
 namespace {

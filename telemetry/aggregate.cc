@@ -1,4 +1,4 @@
-#include "plugins/telemetry/aggregate.h"
+#include "telemetry/aggregate.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -25,7 +26,7 @@ AggregateOptions AggregateOptions::fromEnv() {
 namespace {
 
 // Just enough JSON for our own lines: one object of integers, strings skipped, and one
-// nested object of integers ("phases"). Anything else makes the line invalid.
+// nested objects of integers ("phases", "waited_on"). Anything else makes the line invalid.
 class LineParser {
  public:
   explicit LineParser(std::string_view s) : s_(s) {}
@@ -37,14 +38,21 @@ class LineParser {
     while (true) {
       std::string key;
       if (!str(key) || !eat(':')) return false;
-      if (key == "phases") {
+      if (key == "phases" || key == "waited_on") {
         if (!eat('{')) return false;
         if (peek() != '}') {
           while (true) {
             std::string name;
             int64_t v;
             if (!str(name) || !eat(':') || !num(v)) return false;
-            out.phases.emplace_back(std::move(name), v);
+            if (key == "phases") {
+              out.phases.emplace_back(std::move(name), v);
+            } else {
+              char* end = nullptr;
+              long peer = std::strtol(name.c_str(), &end, 10);
+              if (name.empty() || *end) return false;
+              out.waited_on.emplace_back(int(peer), v);
+            }
             if (eat(',')) continue;
             break;
           }
@@ -177,6 +185,7 @@ Report aggregate(const std::vector<StepSummary>& summaries, const AggregateOptio
   for (const auto& s : summaries) by_step[s.step][s.rank] = &s;
 
   std::map<int, std::vector<std::pair<double, double>>> rss_series;  // rank -> (step, rss)
+  std::map<int, std::vector<std::pair<double, double>>> device_series;
   std::vector<double> worst_times;
   for (const auto& [step, ranks] : by_step) {
     if (int(ranks.size()) < world) {
@@ -195,8 +204,17 @@ Report aggregate(const std::vector<StepSummary>& summaries, const AggregateOptio
       data.push_back(phaseNs(*s, "data_loading", "data"));
       if (t > r.worst_ns || r.worst_rank < 0) r.worst_ns = t, r.worst_rank = rank;
       if (s->rss_max > r.rss_max || r.rss_max_rank < 0) r.rss_max = s->rss_max, r.rss_max_rank = rank;
+      if (s->device_mem_max > r.device_mem_max || r.device_mem_max_rank < 0)
+        r.device_mem_max = s->device_mem_max, r.device_mem_max_rank = rank;
       rss_series[rank].emplace_back(double(step), double(s->rss_max));
+      device_series[rank].emplace_back(double(step), double(s->device_mem_max));
     }
+    std::map<int, int64_t> waited_on;  // peer -> what the other ranks waited for it
+    for (const auto& [rank, s] : ranks)
+      for (const auto& [peer, ns] : s->waited_on)
+        if (peer != rank) waited_on[peer] += ns;
+    for (const auto& [peer, ns] : waited_on)
+      if (ns > r.last_arrival_wait_ns) r.last_arrival = peer, r.last_arrival_wait_ns = ns;
     r.median_ns = median(times);
     double mean = 0, var = 0;
     for (auto t : times) mean += double(t);
@@ -239,23 +257,27 @@ Report aggregate(const std::vector<StepSummary>& summaries, const AggregateOptio
     report.step_time_stddev_ns = std::sqrt(var / double(worst_times.size()));
   }
 
-  // Memory creep: least-squares slope of the RSS high-water over the last steps.
-  for (auto& [rank, series] : rss_series) {
-    CreepReport c;
-    c.rank = rank;
+  // Memory creep: least-squares slope of the high-water over the last steps.
+  auto slope = [&](const std::vector<std::pair<double, double>>& series) {
     size_t begin = std::min(series.size(), options.warmup_steps);
     if (series.size() - begin > options.creep_window) begin = series.size() - options.creep_window;
     size_t n = series.size() - begin;
-    if (n >= 3) {
-      double sx = 0, sy = 0, sxx = 0, sxy = 0;
-      for (size_t k = begin; k < series.size(); ++k) {
-        auto [x, y] = series[k];
-        sx += x, sy += y, sxx += x * x, sxy += x * y;
-      }
-      double den = double(n) * sxx - sx * sx;
-      if (den != 0) c.slope_bytes_per_step = (double(n) * sxy - sx * sy) / den;
-      c.flagged = c.slope_bytes_per_step > double(options.creep_bytes_per_step);
+    if (n < 3) return 0.0;
+    double sx = 0, sy = 0, sxx = 0, sxy = 0;
+    for (size_t k = begin; k < series.size(); ++k) {
+      auto [x, y] = series[k];
+      sx += x, sy += y, sxx += x * x, sxy += x * y;
     }
+    double den = double(n) * sxx - sx * sx;
+    return den != 0 ? (double(n) * sxy - sx * sy) / den : 0.0;
+  };
+  for (auto& [rank, series] : rss_series) {
+    CreepReport c;
+    c.rank = rank;
+    c.slope_bytes_per_step = slope(series);
+    c.flagged = c.slope_bytes_per_step > double(options.creep_bytes_per_step);
+    c.device_slope_bytes_per_step = slope(device_series[rank]);
+    c.device_flagged = c.device_slope_bytes_per_step > double(options.creep_bytes_per_step);
     report.creep.push_back(c);
   }
   return report;
@@ -271,15 +293,20 @@ std::string Report::toJson() const {
         "{}{{\"step\":{},\"worst_rank\":{},\"worst_ns\":{},\"median_ns\":{},\"stddev_ns\":{},\"straggler\":{}"
         ","
         "\"straggler_margin_ns\":{},\"comm_median_ns\":{},\"comm_max_ns\":{},\"wait_median_ns\":{},"
-        "\"wait_max_ns\":{},\"stalls\":[{}],\"stall_max_ns\":{},\"rss_max\":{},\"rss_max_rank\":{}}}",
+        "\"wait_max_ns\":{},\"stalls\":[{}],\"stall_max_ns\":{},\"rss_max\":{},\"rss_max_rank\":{},"
+        "\"device_mem_max\":{},\"device_mem_max_rank\":{},\"last_arrival\":{},\"last_arrival_wait_ns\":{}}}",
         i ? "," : "", s.step, s.worst_rank, s.worst_ns, s.median_ns, s.stddev_ns, s.straggler,
         s.straggler_margin_ns, s.comm_median_ns, s.comm_max_ns, s.wait_median_ns, s.wait_max_ns,
-        fmt::join(s.stalls, ","), s.stall_max_ns, s.rss_max, s.rss_max_rank);
+        fmt::join(s.stalls, ","), s.stall_max_ns, s.rss_max, s.rss_max_rank, s.device_mem_max,
+        s.device_mem_max_rank, s.last_arrival, s.last_arrival_wait_ns);
   }
   out += fmt::format("],\"incomplete\":[{}],\"creep\":[", fmt::join(incomplete, ","));
   for (size_t i = 0; i < creep.size(); ++i)
-    out += fmt::format("{}{{\"rank\":{},\"slope_bytes_per_step\":{:.0f},\"flagged\":{}}}", i ? "," : "",
-                       creep[i].rank, creep[i].slope_bytes_per_step, creep[i].flagged);
+    out += fmt::format(
+        "{}{{\"rank\":{},\"slope_bytes_per_step\":{:.0f},\"flagged\":{},\"device_slope_bytes_per_step\":{:.0f},"
+        "\"device_flagged\":{}}}",
+        i ? "," : "", creep[i].rank, creep[i].slope_bytes_per_step, creep[i].flagged,
+        creep[i].device_slope_bytes_per_step, creep[i].device_flagged);
   return out + "]}";
 }
 

@@ -6,6 +6,10 @@
 // step and appends one JSON line to CROSSBAR_TELEMETRY_DIR/rank<r>.jsonl. The
 // aggregator (aggregate.h, and crossbar-report) joins the ranks' files afterwards.
 //
+// The collectives layer opens an OpScope per operation; the algorithms mark where they
+// block on a peer with PeerWait, which the op's record sums into its wait time and its
+// last-arriving peer.
+//
 //   auto& rec = telemetry::Recorder::instance();   // configured from CROSSBAR_TELEMETRY*
 //   for (...) {
 //     { telemetry::Phase p("data_loading"); batch = next(); }
@@ -42,6 +46,7 @@ struct Record {
   Kind kind = Kind::kOp;
   int32_t last_peer = -1;  // op: the peer that arrived last (-1: unknown)
   uint64_t seq = 0;        // op: per-process sequence number
+  int64_t op_seq = -1;     // op: the issuer's own sequence number (collectives: same on every rank)
   uint64_t bytes = 0;
   int64_t enqueue_ns = 0;  // op: when the call was made
   int64_t start_ns = 0;    // op: when data started moving / phase: begin
@@ -76,6 +81,9 @@ struct StepSummary {
   uint64_t rss_max = 0;  // host RSS high-water during the step
   uint64_t device_mem_max = 0;
   std::vector<std::pair<std::string, int64_t>> phases;  // name -> total ns within the step
+  // Peer -> wait time of the ops that named it their last arrival (this rank included,
+  // with 0 wait, for ops where nobody kept it waiting).
+  std::vector<std::pair<int, int64_t>> waited_on;
   std::string toJson() const;
 };
 
@@ -99,8 +107,14 @@ class Recorder {
   uint64_t recordOp(std::string_view coll, uint64_t bytes, std::string_view algo, int64_t enqueue_ns,
                     int64_t start_ns, int64_t end_ns, int64_t wait_ns = 0, int last_peer = -1);
   void recordPhase(std::string_view name, int64_t start_ns, int64_t end_ns);
+  // Same, with the issuer's sequence number (the collectives' per-communicator one).
+  uint64_t recordOp(std::string_view coll, uint64_t bytes, std::string_view algo, int64_t op_seq,
+                    int64_t enqueue_ns, int64_t start_ns, int64_t end_ns, int64_t wait_ns, int last_peer);
   // Samples host RSS (and the device gauge) into the current step's high-water mark.
   void sampleMemory();
+  // A device-memory high-water measured by the caller (e.g. torch.cuda.max_memory_allocated)
+  // for the current step.
+  void noteDeviceMemory(uint64_t bytes);
 
   // Marks the end of the current step: drains the rings, writes the summary line.
   StepSummary step();
@@ -133,27 +147,77 @@ class Recorder {
   std::vector<Record> last_records_;
 };
 
-// RAII op record: enqueue/start at construction, end at destruction. The collective
-// may report its wait for the last peer with setWait() before the scope ends.
+// What PeerWait scopes inside the running operation add up to.
+struct OpWaits {
+  int64_t total_ns = 0;    // time blocked on peers
+  int64_t longest_ns = 0;  // the longest single wait
+  int longest_peer = -1;   // ... and the peer it waited for
+  int count = 0;
+  void add(int64_t ns, int peer) {
+    total_ns += ns;
+    count++;
+    if (ns >= longest_ns) longest_ns = ns, longest_peer = peer;
+  }
+};
+
+// The wait accounting of the operation this thread is running (an OpScope), or null:
+// PeerWait costs one thread-local load when no operation is being recorded.
+OpWaits* currentOpWaits();
+
+// RAII op record: enqueue/start at construction, end at destruction. Waits marked by
+// PeerWait on this thread while the scope is open become the op's wait time; the peer
+// of the longest one is the op's last arrival (this rank itself when it never blocked:
+// every peer was there before it). setWait() overrides both.
 class OpScope {
  public:
   OpScope(std::string_view coll, uint64_t bytes, std::string_view algo = {});
+  // The collectives' form: `enqueue_ns` when the call was issued (start: now), `op_seq`
+  // the issuer's sequence number, `self` this rank (named when nobody kept it waiting).
+  OpScope(std::string_view coll, uint64_t bytes, std::string_view algo, int64_t enqueue_ns, int64_t op_seq,
+          int self);
   ~OpScope();
   OpScope(const OpScope&) = delete;
   OpScope& operator=(const OpScope&) = delete;
   // Data started moving (default: construction time).
   void started() { start_ns_ = nowNs(); }
   void setWait(int64_t wait_ns, int last_peer = -1) {
+    explicit_wait_ = true;
     wait_ns_ = wait_ns;
     last_peer_ = last_peer;
   }
 
  private:
   bool active_;
+  bool explicit_wait_ = false;
   std::string_view coll_, algo_;
   uint64_t bytes_;
-  int64_t enqueue_ns_ = 0, start_ns_ = 0, wait_ns_ = 0;
-  int last_peer_ = -1;
+  int64_t enqueue_ns_ = 0, start_ns_ = 0, wait_ns_ = 0, op_seq_ = -1;
+  int last_peer_ = -1, self_ = -1;
+  OpWaits waits_;
+  OpWaits* outer_ = nullptr;  // the enclosing scope's (restored at the end)
+};
+
+// Marks a blocking wait on `peer` inside a recorded operation (algorithms put one
+// around the first wait for a peer's data or signal). `blocking` false (the data was
+// already there) records nothing. The peer may be named later (setPeer), e.g. from the
+// completed request's source.
+class PeerWait {
+ public:
+  explicit PeerWait(int peer, bool blocking = true)
+      : waits_(blocking ? currentOpWaits() : nullptr), peer_(peer) {
+    if (waits_) start_ns_ = nowNs();
+  }
+  ~PeerWait() {
+    if (waits_) waits_->add(nowNs() - start_ns_, peer_);
+  }
+  PeerWait(const PeerWait&) = delete;
+  PeerWait& operator=(const PeerWait&) = delete;
+  void setPeer(int peer) { peer_ = peer; }
+
+ private:
+  OpWaits* waits_;
+  int peer_;
+  int64_t start_ns_ = 0;
 };
 
 // RAII named phase ("data_loading", "forward", "backward", "optimizer"); samples memory

@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "plugins/telemetry/telemetry.h"
+#include "telemetry/telemetry.h"
 
 using namespace crossbar::telemetry;
 

@@ -1,4 +1,4 @@
-#include "plugins/telemetry/telemetry.h"
+#include "telemetry/telemetry.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <utility>
 
 #include "comm/env.h"
 #include "comm/errors.h"
@@ -103,6 +104,9 @@ std::string StepSummary::toJson() const {
       rss_max, device_mem_max);
   for (size_t i = 0; i < phases.size(); ++i)
     line += fmt::format("{}\"{}\":{}", i ? "," : "", jsonEscape(phases[i].first), phases[i].second);
+  line += "},\"waited_on\":{";
+  for (size_t i = 0; i < waited_on.size(); ++i)
+    line += fmt::format("{}\"{}\":{}", i ? "," : "", waited_on[i].first, waited_on[i].second);
   line += "}}";
   return line;
 }
@@ -201,8 +205,14 @@ Recorder::Ring* Recorder::threadRing() {
 
 uint64_t Recorder::recordOp(std::string_view coll, uint64_t bytes, std::string_view algo, int64_t enqueue_ns,
                             int64_t start_ns, int64_t end_ns, int64_t wait_ns, int last_peer) {
+  return recordOp(coll, bytes, algo, -1, enqueue_ns, start_ns, end_ns, wait_ns, last_peer);
+}
+
+uint64_t Recorder::recordOp(std::string_view coll, uint64_t bytes, std::string_view algo, int64_t op_seq,
+                            int64_t enqueue_ns, int64_t start_ns, int64_t end_ns, int64_t wait_ns, int last_peer) {
   if (!enabled()) return 0;
   Record r;
+  r.op_seq = op_seq;
   r.kind = Kind::kOp;
   r.seq = seq_.fetch_add(1, std::memory_order_relaxed);
   r.bytes = bytes;
@@ -233,6 +243,10 @@ static void atomicMax(std::atomic<uint64_t>& a, uint64_t v) {
   }
 }
 
+void Recorder::noteDeviceMemory(uint64_t bytes) {
+  if (enabled()) atomicMax(device_max_, bytes);
+}
+
 void Recorder::sampleMemory() {
   if (!enabled()) return;
   atomicMax(rss_max_, hostRssBytes());
@@ -258,17 +272,20 @@ StepSummary Recorder::step() {
   s.end_ns = now;
   s.dropped = dropped;
   std::map<std::string, int64_t> phases;
+  std::map<int, int64_t> waited_on;
   for (const auto& r : records) {
     if (r.kind == Kind::kOp) {
       s.ops++;
       s.bytes += r.bytes;
       s.comm_ns += r.end_ns - r.start_ns;
       s.wait_ns += r.wait_ns;
+      if (r.last_peer >= 0) waited_on[r.last_peer] += r.wait_ns;
     } else {
       phases[r.name] += r.end_ns - r.start_ns;
     }
   }
   s.phases.assign(phases.begin(), phases.end());
+  s.waited_on.assign(waited_on.begin(), waited_on.end());
   s.rss_max = rss_max_.exchange(hostRssBytes(), std::memory_order_relaxed);
   s.device_mem_max = device_max_.exchange(0, std::memory_order_relaxed);
   std::string line = s.toJson();
@@ -304,15 +321,40 @@ std::vector<Record> Recorder::lastStepRecords() const {
   return last_records_;
 }
 
+namespace {
+thread_local OpWaits* tl_op_waits = nullptr;
+}
+
+OpWaits* currentOpWaits() {
+  return tl_op_waits;
+}
+
 OpScope::OpScope(std::string_view coll, uint64_t bytes, std::string_view algo)
     : active_(Recorder::instance().enabled()), coll_(coll), algo_(algo), bytes_(bytes) {
-  if (active_) enqueue_ns_ = start_ns_ = nowNs();
+  if (!active_) return;
+  enqueue_ns_ = start_ns_ = nowNs();
+  outer_ = std::exchange(tl_op_waits, &waits_);
+}
+
+OpScope::OpScope(std::string_view coll, uint64_t bytes, std::string_view algo, int64_t enqueue_ns,
+                 int64_t op_seq, int self)
+    : active_(Recorder::instance().enabled()), coll_(coll), algo_(algo), bytes_(bytes), op_seq_(op_seq),
+      self_(self) {
+  if (!active_) return;
+  start_ns_ = nowNs();
+  enqueue_ns_ = enqueue_ns > 0 ? enqueue_ns : start_ns_;
+  outer_ = std::exchange(tl_op_waits, &waits_);
 }
 
 OpScope::~OpScope() {
-  if (active_)
-    Recorder::instance().recordOp(coll_, bytes_, algo_, enqueue_ns_, start_ns_, nowNs(), wait_ns_,
-                                  last_peer_);
+  if (!active_) return;
+  tl_op_waits = outer_;
+  if (!explicit_wait_) {
+    wait_ns_ = waits_.total_ns;
+    last_peer_ = waits_.count ? waits_.longest_peer : self_;
+  }
+  Recorder::instance().recordOp(coll_, bytes_, algo_, op_seq_, enqueue_ns_, start_ns_, nowNs(), wait_ns_,
+                                last_peer_);
 }
 
 Phase::Phase(std::string_view name) : active_(Recorder::instance().enabled()), name_(name) {

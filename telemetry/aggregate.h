@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "plugins/telemetry/telemetry.h"
+#include "telemetry/telemetry.h"
 
 namespace crossbar::telemetry {
 
@@ -40,12 +40,20 @@ struct StepReport {
   int64_t stall_max_ns = 0;  // longest stalled data phase
   uint64_t rss_max = 0;      // host memory high-water over ranks
   int rss_max_rank = -1;
+  uint64_t device_mem_max = 0;  // device (CUDA) memory high-water over ranks
+  int device_mem_max_rank = -1;
+  // Last arrival as the collectives saw it: the peer the other ranks' ops waited on
+  // longest (summed over their ops' "waited_on"), and that wait.
+  int last_arrival = -1;
+  int64_t last_arrival_wait_ns = 0;
 };
 
 struct CreepReport {
   int rank = 0;
   double slope_bytes_per_step = 0;  // linear fit of the per-step RSS high-water
   bool flagged = false;
+  double device_slope_bytes_per_step = 0;  // same for the device-memory high-water
+  bool device_flagged = false;
 };
 
 struct Report {
