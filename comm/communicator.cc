@@ -86,12 +86,18 @@ std::shared_ptr<Context> Context::create(std::shared_ptr<Store> store, int rank,
     ctx->transports_.push_back(makeUcxTransport(setup("ucx", ucx_peers)));
     for (int p : ucx_peers) ctx->route_[p] = ctx->transports_.back().get();
   }
-  for (auto& t : ctx->transports_) ctx->engine_.add(t.get());
+  std::vector<Transport*> all;
+  for (auto& t : ctx->transports_) {
+    ctx->engine_.add(t.get());
+    all.push_back(t.get());
+  }
+  ctx->any_source_ = std::make_unique<AnySourceMatcher>(rank, ctx->engine_, std::move(all));
   CB_INFO("comm", "context of {} ranks ready: {}", size, ctx->transportsSummary());
   return ctx;
 }
 
 Context::~Context() {
+  any_source_.reset();  // unhooks from the engine before the transports go
   for (auto& t : transports_) engine_.remove(t.get());
   transports_.clear();
 }
@@ -121,6 +127,7 @@ void Context::abort(const std::string& reason, std::exception_ptr given) {
                        : std::make_exception_ptr(Aborted(
                              fmt::format("{}communicator aborted: {}", errorContext(rank_, "abort"), reason)));
     for (auto& t : transports_) t->abort(error);
+    if (any_source_) any_source_->abort(error);
   });
 }
 
@@ -212,8 +219,7 @@ RequestPtr Communicator::isend(const void* data, size_t bytes, int peer, uint32_
 }
 
 RequestPtr Communicator::irecv(void* data, size_t capacity, int peer, uint32_t tag) {
-  if (peer == kAnySource)
-    throw Unsupported(errorContext(rank_, "recv") + "receiving from any source is not supported yet");
+  if (peer == kAnySource) return irecvAnySource(data, capacity, tag);
   if (peer < 0 || peer >= size())
     throw InvalidArgument(fmt::format("{}peer {} is out of range for a communicator of size {}",
                                       errorContext(rank_, "recv"), peer, size()));
@@ -230,6 +236,23 @@ RequestPtr Communicator::irecv(void* data, size_t capacity, int peer, uint32_t t
   return context_->transportTo(members_[peer]).irecv(members_[peer], fullTag(tag), data, capacity);
 }
 
+RequestPtr Communicator::irecvAnySource(void* data, size_t capacity, uint32_t tag) {
+  if (!data && capacity)
+    throw InvalidArgument(
+        fmt::format("{}null buffer for {} bytes", errorContext(rank_, "recv from any rank"), capacity));
+  if (size() < 2)
+    throw InvalidUsage(fmt::format("{}communicator {} has no other rank to receive from",
+                                   errorContext(rank_, "recv from any rank"), name_));
+  if (context_->aborted()) {
+    if (auto error = context_->abortError()) std::rethrow_exception(error);
+    throw Aborted(fmt::format("{}communicator {} was aborted: {}", errorContext(rank_, "recv from any rank"),
+                              name_, context_->abortReason()));
+  }
+  return context_->anySource().post(
+      fullTag(tag), tag, data, capacity, members_,
+      fmt::format("recv of up to {} bytes tag {} from any rank of {} (size {})", capacity, tag, name_, size()));
+}
+
 void Communicator::send(const void* data, size_t bytes, int peer, uint32_t tag) {
   isend(data, bytes, peer, tag)->wait(defaultDeadline());
 }
@@ -238,8 +261,8 @@ Status Communicator::recv(void* data, size_t capacity, int peer, uint32_t tag) {
   auto req = irecv(data, capacity, peer, tag);
   req->wait(defaultDeadline());
   Status st = req->status();
-  // Report ranks of this communicator, not of the context.
-  st.source = peer;
+  // Report ranks of this communicator, not of the context (any-source: already so).
+  if (peer != kAnySource) st.source = peer;
   st.tag = tag;
   return st;
 }

@@ -52,8 +52,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   Millis timeout() const { return timeout_; }
   Deadline defaultDeadline() const { return Deadline::after(timeout_); }
 
-  // Point to point. Tags are 32-bit user tags; kAnySource is not supported across
-  // transports yet.
+  // Point to point. Tags are 32-bit user tags. irecv/recv with peer == kAnySource take
+  // the first message with the tag from any rank (see comm/any_source.h for the
+  // matching rules); status().source then says who sent it (a communicator rank).
   RequestPtr isend(const void* data, size_t bytes, int peer, uint32_t tag);
   RequestPtr irecv(void* data, size_t capacity, int peer, uint32_t tag);
   void send(const void* data, size_t bytes, int peer, uint32_t tag);
@@ -94,6 +95,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
  private:
   Communicator() = default;
   uint64_t fullTag(uint32_t tag) const { return (static_cast<uint64_t>(id_) << 32) | tag; }
+  RequestPtr irecvAnySource(void* data, size_t capacity, uint32_t tag);
   std::shared_ptr<Communicator> makeChild(std::vector<int> members, int new_rank, uint32_t id,
                                           const std::string& name);
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/any_source.h"
 #include "comm/progress.h"
 #include "comm/store.h"
 #include "comm/topology.h"
@@ -32,6 +33,8 @@ class Context {
   // The transport that carries traffic to `peer` (never called with peer == rank()).
   Transport& transportTo(int peer) const { return *route_[peer]; }
   const char* transportName(int peer) const;
+  // Receives from any peer, over every transport (Communicator::irecv with kAnySource).
+  AnySourceMatcher& anySource() const { return *any_source_; }
   std::string transportsSummary() const;  // "shm(3 peers) ucx(4 peers)"
 
   void abort(const std::string& reason);
@@ -49,6 +52,7 @@ class Context {
   std::shared_ptr<Store> store_;
   std::vector<std::unique_ptr<Transport>> transports_;
   std::vector<Transport*> route_;
+  std::unique_ptr<AnySourceMatcher> any_source_;
   std::atomic<bool> aborted_{false};
   std::once_flag abort_once_;
   std::string abort_reason_;

@@ -22,10 +22,22 @@ void ProgressEngine::remove(Transport* transport) {
   transports_.erase(std::remove(transports_.begin(), transports_.end(), transport), transports_.end());
 }
 
+int ProgressEngine::addHook(Hook hook) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  hooks_.emplace_back(next_hook_, std::move(hook));
+  return next_hook_++;
+}
+
+void ProgressEngine::removeHook(int id) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  std::erase_if(hooks_, [id](const auto& h) { return h.first == id; });
+}
+
 bool ProgressEngine::progressOnce() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   bool moved = false;
   for (Transport* t : transports_) moved |= t->progress();
+  for (auto& [id, hook] : hooks_) moved |= hook();
   return moved;
 }
 

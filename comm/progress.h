@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "comm/deadline.h"
@@ -18,7 +19,12 @@ class ProgressEngine {
   ProgressEngine();
   void add(Transport* transport);
   void remove(Transport* transport);
-  // One pass over all transports; true if anything moved.
+  // Work that runs after the transports in every pass (any-source matching): returns
+  // true if it moved anything. Never blocks; called with the engine's lock held.
+  using Hook = std::function<bool()>;
+  int addHook(Hook hook);  // returns an id for removeHook()
+  void removeHook(int id);
+  // One pass over all transports, then the hooks; true if anything moved.
   bool progressOnce();
   // Progresses until done() is true (returns true) or deadline passes (returns false).
   bool waitUntil(const std::function<bool()>& done, Deadline deadline);
@@ -26,6 +32,8 @@ class ProgressEngine {
  private:
   std::recursive_mutex mutex_;  // transports are single-threaded inside; the engine serializes
   std::vector<Transport*> transports_;
+  std::vector<std::pair<int, Hook>> hooks_;
+  int next_hook_ = 0;
   int spin_us_;
 };
 

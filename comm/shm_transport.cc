@@ -174,6 +174,7 @@ struct Unexpected {
   std::vector<uint8_t> payload;  // EAGER only
   bool complete = false;         // whole EAGER payload has arrived (RTS: always)
   std::optional<RecvOp> waiter;  // a receive matched it while its payload was still arriving
+  uint64_t arrival = 0;          // order of arrival over all peers (any-source receives take the oldest)
 };
 
 struct CmaOp {
@@ -232,6 +233,7 @@ class ShmTransport final : public Transport {
 
   RequestPtr isend(int peer, uint64_t tag, const void* data, size_t bytes) override;
   RequestPtr irecv(int peer, uint64_t tag, void* data, size_t capacity) override;
+  RequestPtr tryRecvAny(uint64_t tag, void* data, size_t capacity) override;
   bool progress() override;
   void pollFds(std::vector<pollfd>& fds) override;
   bool prepareSleep() override;
@@ -271,6 +273,7 @@ class ShmTransport final : public Transport {
   std::deque<CmaOp> cma_;
   std::exception_ptr aborted_;
   Clock::time_point next_liveness_check_{};
+  uint64_t next_arrival_ = 0;
   bool sleeping_ = false;
 };
 
@@ -511,8 +514,8 @@ RequestPtr ShmTransport::irecv(int peer, uint64_t tag, void* data, size_t capaci
   if (tag > kMaxTransportTag)
     throw InvalidArgument(fmt::format("{}tag {} exceeds 2^48-1", errorContext(rank_, "shm recv"), tag));
   if (peer == kAnySource)
-    throw Unsupported(errorContext(rank_, "shm recv") +
-                      "receives from any source are not supported; name the peer");
+    throw InvalidArgument(errorContext(rank_, "shm recv") +
+                          "irecv needs a peer; any-source receives go through tryRecvAny()");
   std::lock_guard<std::mutex> lock(mutex_);
   Peer& p = peerFor(peer, "shm recv");
   auto req = std::make_shared<Request>(
@@ -536,6 +539,28 @@ RequestPtr ShmTransport::irecv(int peer, uint64_t tag, void* data, size_t capaci
     return req;
   }
   p.posted[tag].push_back(std::move(r));
+  return req;
+}
+
+RequestPtr ShmTransport::tryRecvAny(uint64_t tag, void* data, size_t capacity) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_) return nullptr;
+  // The oldest unmatched message with this tag, over every peer.
+  Peer* from = nullptr;
+  for (Peer& p : peers_) {
+    auto it = p.unexpected.find(tag);
+    if (it == p.unexpected.end()) continue;
+    if (!from || it->second.front()->arrival < from->unexpected[tag].front()->arrival) from = &p;
+  }
+  if (!from) return nullptr;
+  auto req = std::make_shared<Request>(
+      engine_, fmt::format("shm recv of up to {} bytes tag {} from any rank (matched rank {})", capacity, tag,
+                           from->rank));
+  auto it = from->unexpected.find(tag);
+  auto u = std::move(it->second.front());
+  it->second.pop_front();
+  if (it->second.empty()) from->unexpected.erase(it);
+  matchUnexpected(*from, std::move(u), RecvOp{req, tag, static_cast<uint8_t*>(data), capacity});
   return req;
 }
 
@@ -718,6 +743,7 @@ void ShmTransport::handleFrame(Peer& p, const Frame& f) {
         auto u = std::make_shared<Unexpected>();
         u->frame = f;
         u->payload.resize(f.size);
+        u->arrival = next_arrival_++;
         p.dst = u->payload.data();
         p.cur_unexp = u;
         p.unexpected[f.tag].push_back(std::move(u));
@@ -732,6 +758,7 @@ void ShmTransport::handleFrame(Peer& p, const Frame& f) {
         auto u = std::make_shared<Unexpected>();
         u->frame = f;
         u->complete = true;
+        u->arrival = next_arrival_++;
         p.unexpected[f.tag].push_back(std::move(u));
       }
       break;

@@ -32,6 +32,12 @@ class Transport {
 
   virtual RequestPtr isend(int peer, uint64_t tag, const void* data, size_t bytes) = 0;
   virtual RequestPtr irecv(int peer, uint64_t tag, void* data, size_t capacity) = 0;
+  // Any-source receive support (comm/any_source.h): if a message with `tag` from any
+  // peer has arrived that no posted receive was waiting for, receive it into `data`
+  // now and return its request (status().source: the sender's rank); otherwise
+  // nullptr, leaving nothing posted. Of several such messages the first to arrive is
+  // taken. Thread-safe like isend/irecv.
+  virtual RequestPtr tryRecvAny(uint64_t tag, void* data, size_t capacity) = 0;
 
   // Advances pending work; returns true if anything moved.
   virtual bool progress() = 0;

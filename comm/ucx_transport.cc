@@ -45,6 +45,11 @@ struct Op {
 uint64_t ucpTag(int source, uint64_t tag) {
   return (uint64_t(source) << 48) | tag;
 }
+// Matches the transport tag and the clear handshake bit, any source.
+constexpr uint64_t kAnySourceMask = kMaxTransportTag | ucx::kHandshakeTagBit;
+int sourceOf(uint64_t ucp_tag) {
+  return static_cast<int>((ucp_tag & ~ucx::kHandshakeTagBit) >> 48);
+}
 
 class UcxTransport final : public Transport {
  public:
@@ -122,6 +127,31 @@ class UcxTransport final : public Transport {
       req->fail(peerFailure(peer, req->what(), ctx_->peerStatus(peer)));
       cancel(id);
     }
+    return req;
+  }
+
+  RequestPtr tryRecvAny(uint64_t tag, void* data, size_t capacity) override {
+    if (tag > kMaxTransportTag)
+      throw InvalidArgument(
+          fmt::format("{}tag {} is above the transport limit 2^48-1", errorContext(rank_, "ucx recv"), tag));
+    std::lock_guard<std::recursive_mutex> lock(ctx_->mutex());
+    if (aborted_) return nullptr;
+    // Probing with remove=1 takes the oldest unexpected match out of UCX's queue; it
+    // must then be received with ucp_tag_msg_recv_nbx (which we do right away).
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = ucp_tag_probe_nb(ctx_->worker(), tag, kAnySourceMask, 1, &info);
+    if (!msg) return nullptr;
+    const int peer = sourceOf(info.sender_tag);
+    auto req = std::make_shared<Request>(
+        engine_, fmt::format("ucx recv from any rank (matched {}) tag {} ({} B buffer)",
+                             ctx_->describePeer(peer), tag, capacity));
+    auto op = std::make_unique<Op>(Op{this, req, peer, tag, capacity, false, next_id_++});
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    p.cb.recv = &UcxTransport::onRecvDone;
+    p.user_data = op.get();
+    void* r = ucp_tag_msg_recv_nbx(ctx_->worker(), data, capacity, msg, &p);
+    post(std::move(op), r, 0);
     return req;
   }
 
