@@ -16,6 +16,7 @@
 #include <numeric>
 
 #include "collectives/float_types.h"
+#include "comm/env.h"
 #include "comm/errors.h"
 #include "comm/log.h"
 #include "symmem/symmetric_heap.h"
@@ -52,9 +53,12 @@ PayloadCodec payloadCodec(PayloadFormat f) {
 struct MoeHandle {
   const void* owner = nullptr;
   size_t tokens = 0, num_recv = 0;
+  size_t chunk = 1;                                // rows per network chunk this rank sends
   std::vector<std::vector<int32_t>> node_send;     // [node]: own tokens bound for it, in order
-  std::vector<size_t> fwd_base;                    // [node + 1]: F index of node m's first row
-  std::vector<std::vector<int32_t>> fwd_to_local;  // [local j]: F indices written to local rank j
+  // F, the rows this rank forwards: node m's are F[fwd_start[m], + fwd_count[m]), sent to us
+  // in chunks of fwd_chunk[m] rows (the own node's block first).
+  std::vector<size_t> fwd_start, fwd_count, fwd_chunk;
+  std::vector<std::vector<int32_t>> fwd_to_local;  // [local j]: F indices written to local rank j, in order
   std::vector<std::vector<int32_t>> recv_rows;     // [local j]: output row of forwarder j's p-th row
   Layout stats;                                    // counts only (is_token_in_rank left empty)
 };
@@ -68,8 +72,24 @@ namespace {
 constexpr size_t align16(size_t v) {
   return (v + 15) & ~size_t{15};
 }
-constexpr uint32_t kTagBase = 0x4D000000u;  // 'M': below kInternalTagBase
+// Tags: 'M', below kInternalTagBase; each call owns 2^16 tags (one per network chunk).
+constexpr uint32_t kTagBase = 0x4D000000u;
+constexpr uint32_t kTagCalls = 0x800;
+constexpr size_t kMaxChunks = 0xFFFF;
+// Network messages of a dispatch to one node: at least one (it carries the row count).
+size_t dispatchChunks(size_t rows, size_t chunk) {
+  return std::max<size_t>(1, (rows + chunk - 1) / chunk);
+}
 enum Channel { kDispatchData = 0, kDispatchAck = 1, kCombineData = 2, kCombineAck = 3, kNumChannels = 4 };
+
+// There is no progress thread: the CPU drives pending network requests between rows.
+void pump(const std::vector<RequestPtr>& reqs) {
+  for (const auto& r : reqs)
+    if (!r->done()) {
+      r->test();
+      return;
+    }
+}
 
 struct RowHeader {
   int32_t src_rank;
@@ -96,6 +116,8 @@ struct MoeBuffer::Impl {
   size_t es = 2;                             // element size of cfg.dtype
   size_t off_topk = 0, off_w = 0, off_scales = 0, off_payload = 0, scale_bytes = 0, payload_bytes = 0;
   size_t row = 0, fmax = 0, dslot = 0, cslot = 0;
+  size_t chunk = 1;                                      // rows per network chunk
+  std::vector<uint8_t> enc;                              // this call's encoded tokens
   symm::SymmetricHeap heap;
   std::shared_ptr<symm::SymmetricBuffer> dbuf, cbuf;
   uint64_t dispatches = 0, combines = 0, ops = 0;
@@ -105,7 +127,7 @@ struct MoeBuffer::Impl {
   Deadline deadline() const {
     return cfg.timeout.count() > 0 ? Deadline::after(cfg.timeout) : comm->defaultDeadline();
   }
-  uint32_t nextTag() { return kTagBase + static_cast<uint32_t>(ops++ % 0x400000u); }
+  uint32_t opTag() { return kTagBase + (static_cast<uint32_t>(ops++ % kTagCalls) << 16); }
   int rankOfExpert(int64_t e) const { return static_cast<int>(e / epr); }
   bool quantized() const { return cfg.format != PayloadFormat::kNative; }
 
@@ -184,6 +206,15 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
   im->off_payload = align16(im->off_scales + im->scale_bytes);
   im->row = align16(im->off_payload + im->payload_bytes);
   im->fmax = static_cast<size_t>(im->N) * cfg.max_tokens;
+  {
+    const int64_t ct = cfg.chunk_tokens != -1 ? cfg.chunk_tokens : env::getInt("CROSSBAR_MOE_CHUNK_TOKENS");
+    if (ct < 0)
+      throw InvalidArgument(im->ctx(op) + fmt::format("chunk of {} tokens: use 0 (no pipelining) or more "
+                                                      "(CROSSBAR_MOE_CHUNK_TOKENS / MoeConfig::chunk_tokens)",
+                                                      ct));
+    im->chunk = ct == 0 ? cfg.max_tokens : std::min<size_t>(static_cast<size_t>(ct), cfg.max_tokens);
+    im->chunk = std::max(im->chunk, (cfg.max_tokens + kMaxChunks - 1) / kMaxChunks);
+  }
   im->dslot = 16 + im->fmax * im->row;
   im->cslot = im->fmax * cfg.hidden * sizeof(float);
 
@@ -291,7 +322,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   Impl& im = *impl_;
   const char* op = "moe dispatch";
   const auto& cfg = im.cfg;
-  const size_t k = static_cast<size_t>(cfg.topk), H = cfg.hidden;
+  const size_t k = static_cast<size_t>(cfg.topk), H = cfg.hidden, row = im.row;
   if (tokens > cfg.max_tokens)
     throw InvalidArgument(im.ctx(op) + fmt::format("{} tokens exceed the buffer's max_tokens {}: create the "
                                                    "MoeBuffer with a larger max_tokens",
@@ -306,6 +337,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   auto h = std::make_shared<MoeHandle>();
   h->owner = this;
   h->tokens = tokens;
+  h->chunk = im.chunk;
   if (cached) {
     h->node_send = cached->node_send;
     h->stats = cached->stats;
@@ -322,7 +354,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     h->stats.is_token_in_rank.clear();
   }
   const Deadline dl = im.deadline();
-  const uint32_t tag = im.nextTag();
+  const uint32_t tag = im.opTag();
   DispatchResult res;
 
   // nvfp4's per-tensor scale covers this rank's whole x.
@@ -330,98 +362,147 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   if (cfg.format == PayloadFormat::kNvfp4) {
     BlockAmax a;
     for (size_t t = 0; t < tokens; ++t) {
-      const char* row = static_cast<const char*>(x) + t * H * im.es;
+      const char* r = static_cast<const char*>(x) + t * H * im.es;
       a = mergeAmax(a, cfg.dtype == DataType::kFloat32
-                           ? blockAmax(reinterpret_cast<const float*>(row), static_cast<int>(H))
-                           : blockAmax(reinterpret_cast<const BFloat16*>(row), static_cast<int>(H)));
+                           ? blockAmax(reinterpret_cast<const float*>(r), static_cast<int>(H))
+                           : blockAmax(reinterpret_cast<const BFloat16*>(r), static_cast<int>(H)));
     }
     gscale = nvfp4GlobalScale(a);
   }
 
-  // Encode (quantize) each needed token once; the own node's rows are read from here.
-  std::vector<uint8_t> enc(tokens * im.row);
-  std::vector<uint8_t> needed(tokens, 0);
-  for (const auto& list : h->node_send)
-    for (int32_t t : list) needed[t] = 1;
-  for (size_t t = 0; t < tokens; ++t)
-    if (needed[t]) im.encodeRow(x, t, topk_idx, topk_weights, gscale, enc.data() + t * im.row);
+  // Each token is encoded (quantized) once, when first needed; the own node's rows are read from here.
+  im.enc.resize(tokens * row);
+  std::vector<uint8_t> encoded(tokens, 0);
+  auto encodedRow = [&](int32_t t) -> const uint8_t* {
+    uint8_t* p = im.enc.data() + static_cast<size_t>(t) * row;
+    if (!encoded[t]) {
+      im.encodeRow(x, t, topk_idx, topk_weights, gscale, p);
+      encoded[t] = 1;
+    }
+    return p;
+  };
 
-  // 1. network: one message per remote node, to the peer with our local index.
-  std::vector<RequestPtr> reqs;
-  const size_t cap = 16 + cfg.max_tokens * im.row;
+  // 1. network, chunk-major: chunk c of every remote node is encoded and sent before chunk c+1.
+  // A node's message is [count, chunk rows][rows]; chunk 0 carries the 16-byte header, so the
+  // receiver learns how many more chunks (tags tag+1, tag+2, ...) to expect.
+  const size_t C = im.chunk;
+  std::vector<RequestPtr> sends;
+  std::vector<RequestPtr> first(im.N);
+  const size_t cap = 16 + cfg.max_tokens * row;
+  size_t rounds = 0;
   for (int m = 0; m < im.N; ++m) {
     if (m == im.me_node) continue;
-    int peer = im.node_ranks[m][im.me_local];
     im.net_recv[m].resize(cap);
-    reqs.push_back(im.comm->irecv(im.net_recv[m].data(), cap, peer, tag));
-  }
-  for (int m = 0; m < im.N; ++m) {
-    if (m == im.me_node) continue;
-    int peer = im.node_ranks[m][im.me_local];
+    first[m] = im.comm->irecv(im.net_recv[m].data(), cap, im.node_ranks[m][im.me_local], tag);
     const auto& list = h->node_send[m];
-    auto& buf = im.net_send[m];
-    buf.resize(16 + list.size() * im.row);
-    uint64_t count = list.size();
-    std::memcpy(buf.data(), &count, 8);
-    for (size_t i = 0; i < list.size(); ++i)
-      std::memcpy(buf.data() + 16 + i * im.row, enc.data() + list[i] * im.row, im.row);
-    res.metrics.inter_node_bytes += list.size() * im.row;
-    reqs.push_back(im.comm->isend(buf.data(), buf.size(), peer, tag));
+    im.net_send[m].resize(16 + list.size() * row);
+    const uint64_t header[2] = {list.size(), C};
+    std::memcpy(im.net_send[m].data(), header, 16);
+    rounds = std::max(rounds, dispatchChunks(list.size(), C));
+    res.metrics.inter_node_bytes += list.size() * row;
   }
-  im.comm->waitAll(reqs, dl);
+  for (size_t c = 0; c < rounds; ++c)
+    for (int m = 0; m < im.N; ++m) {
+      const auto& list = h->node_send[m];
+      if (m == im.me_node || c >= dispatchChunks(list.size(), C)) continue;
+      const size_t lo = c * C, hi = std::min(list.size(), lo + C);
+      uint8_t* buf = im.net_send[m].data();
+      for (size_t i = lo; i < hi; ++i) std::memcpy(buf + 16 + i * row, encodedRow(list[i]), row);
+      const size_t begin = c == 0 ? 0 : 16 + lo * row, end = 16 + hi * row;
+      sends.push_back(im.comm->isend(buf + begin, end - begin, im.node_ranks[m][im.me_local],
+                                     tag + static_cast<uint32_t>(c)));
+      pump(sends);
+    }
 
-  // 2. forward: F = own rows for this node, then each remote node's rows.
-  std::vector<const uint8_t*> F;
-  h->fwd_base.assign(im.N + 1, 0);
-  for (int m = 0; m < im.N; ++m) {
-    h->fwd_base[m] = F.size();
-    if (m == im.me_node) {
-      for (int32_t t : h->node_send[m]) F.push_back(enc.data() + t * im.row);
-      continue;
-    }
-    uint64_t count;
-    std::memcpy(&count, im.net_recv[m].data(), 8);
-    if (count > cfg.max_tokens)
-      throw InternalError(im.ctx(op) + fmt::format("rank {} sent {} rows (max_tokens {})",
-                                                   im.node_ranks[m][im.me_local], count, cfg.max_tokens));
-    if (cached && count != cached->fwd_base[m + 1] - cached->fwd_base[m])
-      throw InvalidUsage(im.ctx(op) +
-                         fmt::format("rank {} sent {} rows where the cached handle expects {}: every "
-                                     "rank must pass a handle of the same earlier dispatch",
-                                     im.node_ranks[m][im.me_local], count,
-                                     cached->fwd_base[m + 1] - cached->fwd_base[m]));
-    for (uint64_t i = 0; i < count; ++i) F.push_back(im.net_recv[m].data() + 16 + i * im.row);
-  }
-  h->fwd_base[im.N] = F.size();
-  if (cached) {
-    h->fwd_to_local = cached->fwd_to_local;
-  } else {
-    h->fwd_to_local.assign(im.L, {});
-    std::vector<int> seen(im.L, -1);
-    for (size_t i = 0; i < F.size(); ++i) {
-      const auto* idx = reinterpret_cast<const int64_t*>(F[i] + im.off_topk);
-      for (size_t j = 0; j < k; ++j) {
-        if (idx[j] < 0 || idx[j] >= cfg.num_experts) continue;
-        int r = im.rankOfExpert(idx[j]);
-        if (im.node_of[r] != im.me_node) continue;
-        int lj = im.local_of[r];
-        if (seen[lj] == static_cast<int>(i)) continue;
-        seen[lj] = static_cast<int>(i);
-        h->fwd_to_local[lj].push_back(static_cast<int32_t>(i));
-      }
-    }
-  }
+  // 2. forward: F = own rows for this node, then each remote node's rows (block per node).
+  // Every row goes once to each local rank holding one of its experts, written into that
+  // rank's slot for this forwarder. Own rows go first (the network is busy meanwhile), then
+  // the remote chunks as they arrive, so chunk k fans out while chunk k+1 is on the wire.
   for (int j = 0; j < im.L; ++j) {
     int d = im.node_ranks[im.me_node][j];
     if (d != im.rank && im.dispatches > 0) im.dbuf->waitSignal(d, kDispatchAck, dl);
-    char* slot = im.dbuf->peer<char>(d, static_cast<size_t>(im.me_local) * im.dslot);
-    const auto& list = h->fwd_to_local[j];
-    uint64_t count = list.size();
-    std::memcpy(slot, &count, 8);
-    for (size_t p = 0; p < list.size(); ++p) std::memcpy(slot + 16 + p * im.row, F[list[p]], im.row);
+  }
+  std::vector<char*> slot(im.L);
+  std::vector<size_t> pos(im.L, 0);
+  for (int j = 0; j < im.L; ++j)
+    slot[j] = im.dbuf->peer<char>(im.node_ranks[im.me_node][j], static_cast<size_t>(im.me_local) * im.dslot) + 16;
+  h->fwd_to_local.assign(im.L, {});
+  std::vector<int64_t> mark(im.L, -1);
+  auto forward = [&](size_t f, const uint8_t* rec) {
+    const auto* idx = reinterpret_cast<const int64_t*>(rec + im.off_topk);
+    for (size_t j = 0; j < k; ++j) {
+      if (idx[j] < 0 || idx[j] >= cfg.num_experts) continue;
+      int r = im.rankOfExpert(idx[j]);
+      if (im.node_of[r] != im.me_node) continue;
+      int lj = im.local_of[r];
+      if (mark[lj] == static_cast<int64_t>(f)) continue;
+      mark[lj] = static_cast<int64_t>(f);
+      std::memcpy(slot[lj] + pos[lj] * row, rec, row);
+      ++pos[lj];
+      h->fwd_to_local[lj].push_back(static_cast<int32_t>(f));
+    }
+  };
+  h->fwd_start.assign(im.N, 0);
+  h->fwd_count.assign(im.N, 0);
+  h->fwd_chunk.assign(im.N, C);
+  {
+    const auto& own = h->node_send[im.me_node];
+    h->fwd_count[im.me_node] = own.size();
+    for (size_t i = 0; i < own.size(); ++i) {
+      forward(i, encodedRow(own[i]));
+      if (i % 8 == 7) pump(sends);
+    }
+  }
+  // Chunk 0 of every remote node gives its row count and chunk size; then the rest is posted.
+  size_t next_f = h->fwd_count[im.me_node];
+  std::vector<std::vector<RequestPtr>> chunks(im.N);
+  rounds = 0;
+  for (int m = 0; m < im.N; ++m) {
+    if (m == im.me_node) continue;
+    const int peer = im.node_ranks[m][im.me_local];
+    first[m]->wait(dl);
+    uint64_t header[2];
+    std::memcpy(header, im.net_recv[m].data(), 16);
+    const uint64_t count = header[0], cm = header[1];
+    if (count > cfg.max_tokens || cm == 0 || dispatchChunks(count, cm) > kMaxChunks)
+      throw InternalError(im.ctx(op) + fmt::format("rank {} sent a bad header: {} rows in chunks of {} "
+                                                   "(max_tokens {})",
+                                                   peer, count, cm, cfg.max_tokens));
+    if (cached && count != cached->fwd_count[m])
+      throw InvalidUsage(im.ctx(op) + fmt::format("rank {} sent {} rows where the cached handle expects {}: every "
+                                                  "rank must pass a handle of the same earlier dispatch",
+                                                  peer, count, cached->fwd_count[m]));
+    h->fwd_start[m] = next_f;
+    h->fwd_count[m] = count;
+    h->fwd_chunk[m] = cm;
+    next_f += count;
+    const size_t n = dispatchChunks(count, cm);
+    rounds = std::max(rounds, n);
+    chunks[m].push_back(first[m]);
+    for (size_t c = 1; c < n; ++c) {
+      const size_t lo = c * cm, hi = std::min<size_t>(count, lo + cm);
+      chunks[m].push_back(im.comm->irecv(im.net_recv[m].data() + 16 + lo * row, (hi - lo) * row, peer,
+                                         tag + static_cast<uint32_t>(c)));
+    }
+  }
+  for (size_t c = 0; c < rounds; ++c)
+    for (int m = 0; m < im.N; ++m) {
+      if (m == im.me_node || c >= chunks[m].size()) continue;
+      chunks[m][c]->wait(dl);
+      const size_t cm = h->fwd_chunk[m], lo = c * cm, hi = std::min(h->fwd_count[m], lo + cm);
+      for (size_t i = lo; i < hi; ++i) {
+        forward(h->fwd_start[m] + i, im.net_recv[m].data() + 16 + i * row);
+        if (i % 8 == 7) pump(sends);
+      }
+    }
+  im.comm->waitAll(sends, dl);
+  for (int j = 0; j < im.L; ++j) {
+    int d = im.node_ranks[im.me_node][j];
+    const uint64_t count = pos[j];
+    std::memcpy(slot[j] - 16, &count, 8);
     if (d != im.rank) {
       im.dbuf->putSignal(d, kDispatchData);
-      res.metrics.intra_node_bytes += list.size() * im.row;
+      res.metrics.intra_node_bytes += count * row;
     }
   }
 
@@ -432,15 +513,17 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   for (int j = 0; j < im.L; ++j) {
     int f = im.node_ranks[im.me_node][j];
     if (f != im.rank) im.dbuf->waitSignal(f, kDispatchData, dl);
-    const char* slot = im.dbuf->local<char>(static_cast<size_t>(j) * im.dslot);
+    const char* s = im.dbuf->local<char>(static_cast<size_t>(j) * im.dslot);
     uint64_t count;
-    std::memcpy(&count, slot, 8);
+    std::memcpy(&count, s, 8);
+    if (count > im.fmax)
+      throw InternalError(im.ctx(op) + fmt::format("rank {} forwarded {} rows (at most {} fit)", f, count, im.fmax));
     if (cached && count != cached->recv_rows[j].size())
       throw InvalidUsage(im.ctx(op) +
                          fmt::format("rank {} forwarded {} rows where the cached handle expects {}", f, count,
                                      cached->recv_rows[j].size()));
     for (uint64_t p = 0; p < count; ++p) {
-      slot_rows.push_back(reinterpret_cast<const uint8_t*>(slot + 16 + p * im.row));
+      slot_rows.push_back(reinterpret_cast<const uint8_t*>(s + 16 + p * row));
       slot_of.emplace_back(j, static_cast<int>(p));
     }
   }
@@ -567,7 +650,7 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   if (h.num_recv > 0 && !y) throw InvalidArgument(im.ctx(op) + "y is null");
   const size_t yes = elementSize(y_type);
   const Deadline dl = im.deadline();
-  const uint32_t tag = im.nextTag();
+  const uint32_t tag = im.opTag();
   CombineResult res;
 
   // 1. each output row goes back to the local forwarder it came from, as f32.
@@ -586,19 +669,68 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
       res.metrics.intra_node_bytes += rows.size() * H * sizeof(float);
     }
   }
-  // 2. as forwarder: sum the node's partials per F row.
-  const size_t nf = h.fwd_base.empty() ? 0 : h.fwd_base.back();
-  std::vector<float> acc(nf * H, 0.0f);
+
+  // Source side: the partial sums of each remote node come back in chunks of our chunk size.
+  std::vector<std::vector<float>> back(im.N);
+  std::vector<std::vector<RequestPtr>> recvs(im.N);
+  for (int m = 0; m < im.N; ++m) {
+    const size_t count = h.node_send[m].size();
+    if (m == im.me_node || count == 0) continue;
+    back[m].resize(count * H);
+    for (size_t lo = 0, c = 0; lo < count; lo += h.chunk, ++c) {
+      const size_t rows = std::min(h.chunk, count - lo);
+      recvs[m].push_back(im.comm->irecv(back[m].data() + lo * H, rows * H * sizeof(float),
+                                        im.node_ranks[m][im.me_local], tag + static_cast<uint32_t>(c)));
+    }
+  }
+
+  // 2. as forwarder: wait for the node's partials, sum them per F row (in local-rank order, so
+  // the result does not depend on the chunk size), and send each remote node's chunk as soon as
+  // it is summed: chunk k crosses the network while chunk k+1 is being summed.
   for (int j = 0; j < im.L; ++j) {
     int d = im.node_ranks[im.me_node][j];
     if (d != im.rank) im.cbuf->waitSignal(d, kCombineData, dl);
-    const float* slot = im.cbuf->local<float>(static_cast<size_t>(j) * im.cslot);
-    const auto& list = h.fwd_to_local[j];
-    for (size_t p = 0; p < list.size(); ++p) {
-      float* a = acc.data() + static_cast<size_t>(list[p]) * H;
-      const float* s = slot + p * H;
-      for (size_t c = 0; c < H; ++c) a[c] += s[c];
+  }
+  size_t nf = 0;
+  for (size_t c : h.fwd_count) nf += c;
+  std::vector<size_t> first(nf + 1, 0);  // contributions of F row i: contrib[first[i], first[i+1])
+  for (const auto& list : h.fwd_to_local)
+    for (int32_t f : list) ++first[f + 1];
+  for (size_t i = 0; i < nf; ++i) first[i + 1] += first[i];
+  std::vector<const float*> contrib(first[nf]);
+  {
+    std::vector<size_t> fill(first.begin(), first.end() - 1);
+    for (int j = 0; j < im.L; ++j) {
+      const float* s = im.cbuf->local<float>(static_cast<size_t>(j) * im.cslot);
+      const auto& list = h.fwd_to_local[j];
+      for (size_t p = 0; p < list.size(); ++p) contrib[fill[list[p]]++] = s + p * H;
     }
+  }
+  std::vector<float> acc(nf * H, 0.0f);
+  auto reduce = [&](size_t i) {
+    float* a = acc.data() + i * H;
+    for (size_t q = first[i]; q < first[i + 1]; ++q)
+      for (size_t c = 0; c < H; ++c) a[c] += contrib[q][c];
+  };
+  std::vector<RequestPtr> sends;
+  size_t rounds = 0;
+  for (int m = 0; m < im.N; ++m)
+    if (m != im.me_node && h.fwd_count[m] > 0)
+      rounds = std::max(rounds, dispatchChunks(h.fwd_count[m], h.fwd_chunk[m]));
+  for (size_t c = 0; c < rounds; ++c)
+    for (int m = 0; m < im.N; ++m) {
+      const size_t count = h.fwd_count[m], cm = h.fwd_chunk[m], lo = c * cm;
+      if (m == im.me_node || lo >= count) continue;
+      const size_t hi = std::min(count, lo + cm);
+      for (size_t i = lo; i < hi; ++i) reduce(h.fwd_start[m] + i);
+      sends.push_back(im.comm->isend(acc.data() + (h.fwd_start[m] + lo) * H, (hi - lo) * H * sizeof(float),
+                                     im.node_ranks[m][im.me_local], tag + static_cast<uint32_t>(c)));
+      res.metrics.inter_node_bytes += (hi - lo) * H * sizeof(float);
+      pump(sends);
+    }
+  for (size_t i = 0; i < h.fwd_count[im.me_node]; ++i) {
+    reduce(h.fwd_start[im.me_node] + i);
+    if (i % 8 == 7) pump(sends);
   }
   for (int j = 0; j < im.L; ++j) {
     int d = im.node_ranks[im.me_node][j];
@@ -606,32 +738,19 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   }
   ++im.combines;
 
-  // 3. network: partial sums back to each source node, once per (token, node).
-  std::vector<std::vector<float>> back(im.N);
-  std::vector<RequestPtr> reqs;
-  for (int m = 0; m < im.N; ++m) {
-    if (m == im.me_node || h.node_send[m].empty()) continue;
-    back[m].resize(h.node_send[m].size() * H);
-    reqs.push_back(
-        im.comm->irecv(back[m].data(), back[m].size() * sizeof(float), im.node_ranks[m][im.me_local], tag));
-  }
-  for (int m = 0; m < im.N; ++m) {
-    size_t rows = h.fwd_base[m + 1] - h.fwd_base[m];
-    if (m == im.me_node || rows == 0) continue;
-    res.metrics.inter_node_bytes += rows * H * sizeof(float);
-    reqs.push_back(im.comm->isend(acc.data() + h.fwd_base[m] * H, rows * H * sizeof(float),
-                                  im.node_ranks[m][im.me_local], tag));
-  }
-  im.comm->waitAll(reqs, dl);
+  // 3. as source: sum the nodes' partials per token in node order (deterministic), each chunk
+  // as it arrives.
   res.out.assign(h.tokens * H, 0.0f);
   for (int m = 0; m < im.N; ++m) {
     const auto& list = h.node_send[m];
-    const float* src = m == im.me_node ? acc.data() + h.fwd_base[m] * H : back[m].data();
+    const float* src = m == im.me_node ? acc.data() + h.fwd_start[m] * H : back[m].data();
     for (size_t i = 0; i < list.size(); ++i) {
+      if (m != im.me_node && i % h.chunk == 0) recvs[m][i / h.chunk]->wait(dl);
       float* o = res.out.data() + static_cast<size_t>(list[i]) * H;
       for (size_t c = 0; c < H; ++c) o[c] += src[i * H + c];
     }
   }
+  im.comm->waitAll(sends, dl);
   return res;
 }
 

@@ -52,6 +52,10 @@ struct MoeConfig {
   // Per local expert, the most (token, expert) assignments a rank accepts per dispatch; the
   // rest are dropped (index -1, weight 0) in (source rank, token) order. -1: no limit.
   int64_t expert_capacity = -1;
+  // Tokens per pipelined chunk: the network phase of chunk k+1 overlaps the intra-node phase
+  // of chunk k (dispatch) and the reduction of chunk k+1 overlaps chunk k's network transfer
+  // (combine). 0: one chunk; -1: CROSSBAR_MOE_CHUNK_TOKENS. Results do not depend on it.
+  int64_t chunk_tokens = -1;
   Millis timeout{0};  // 0: the communicator's
 };
 
