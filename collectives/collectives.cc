@@ -25,6 +25,7 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/selection.h"
+#include "collectives/signature.h"
 #include "collectives/symm_staging.h"
 #include "comm/env.h"
 #include "comm/errors.h"
@@ -354,6 +355,7 @@ struct Planned {
   CollArgs args;
   const Algorithm* algo = nullptr;
   uint32_t tag = 0;
+  uint64_t seq = 0;  // collectives only (signature.h checks it across ranks)
   std::string desc;
 };
 
@@ -375,6 +377,7 @@ struct Collectives::Impl {
   std::shared_ptr<HierComms> hier;
   std::shared_ptr<Scratch> scratch = std::make_shared<Scratch>();
   std::shared_ptr<SymmCache> symm = std::make_shared<SymmCache>();
+  std::shared_ptr<CallChecker> checker;
   int group_depth = 0;
   std::vector<Planned> group;
   std::shared_ptr<WorkImpl> group_work;
@@ -399,15 +402,20 @@ Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
   Planned pl;
   pl.args = std::move(a);
   pl.algo = s.algorithm;
-  pl.tag = opTag(seq++);
+  // Only collectives take a sequence number: point-to-point calls use the user's tag
+  // and need not pair up per call, so counting them would put ranks out of step.
+  if (!isP2p(pl.args.coll)) {
+    pl.seq = seq;
+    pl.tag = opTag(seq++);
+  }
   pl.desc = fmt::format("{} ({})", pl.args.describe(), s.algorithm->name);
-  CB_INFO("coll", "{}: #{} {} [{}]", comm->name(), seq - 1, pl.desc, s.reason);
+  CB_INFO("coll", "{}: #{} {} [{}]", comm->name(), pl.seq, pl.desc, s.reason);
   return pl;
 }
 
 std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> ops) {
   return [comm = comm, ops = std::move(ops), chunk = chunk_bytes, hier = hier, scratch = scratch,
-          symm = symm](Deadline deadline) {
+          symm = symm, checker = checker](Deadline deadline) {
     RunContext x;
     x.scratch = scratch.get();
     x.symm = symm.get();
@@ -416,6 +424,7 @@ std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> o
     x.chunk_bytes = chunk;
     x.hier = hier.get();
     if (ops.size() == 1 && !isP2p(ops[0].args.coll)) {
+      checker->check(comm, ops[0].args, ops[0].seq, deadline);
       if (isEmpty(ops[0].args)) return;
       x.tag = ops[0].tag;
       ops[0].algo->run(ops[0].args, x);
@@ -437,7 +446,9 @@ std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> o
       }
     }
     for (const Planned& op : ops) {
-      if (isP2p(op.args.coll) || isEmpty(op.args)) continue;
+      if (isP2p(op.args.coll)) continue;
+      checker->check(comm, op.args, op.seq, deadline);
+      if (isEmpty(op.args)) continue;
       x.tag = op.tag;
       op.algo->run(op.args, x);
     }
@@ -487,6 +498,7 @@ Collectives::Collectives(std::shared_ptr<Communicator> comm) : comm_(std::move(c
   impl_->q->rank = comm_->rank();
   impl_->env_override = parseAlgoOverride(env::getString("CROSSBAR_ALGO"));
   impl_->chunk_bytes = std::max<uint64_t>(env::getSize("CROSSBAR_COLL_CHUNK_SIZE"), 64);
+  impl_->checker = std::make_shared<CallChecker>(callCheckModeFromEnv());
   impl_->worker = std::thread([q = impl_->q] {
     std::unique_lock<std::mutex> lk(q->m);
     while (true) {

@@ -1,0 +1,96 @@
+// Mismatched-call detection: before a collective moves data, the ranks compare what
+// each of them called (collective, count, type, op, root and its position in the call
+// sequence), so a mismatch raises InvalidUsage on every rank, naming the ranks that
+// differ and what differs, instead of hanging or corrupting memory.
+//
+// Modes (CROSSBAR_CHECK_CALLS):
+//   off    no check.
+//   cheap  (default) within one node: every rank writes its call (32 bytes) into a slot
+//          of a small symmetric buffer, signals its peers and reads theirs, so every rank
+//          sees the same table of calls (no messages; the signal pads' futex waits). The
+//          ranks must all arrive before the data moves, which the collective itself
+//          needs anyway, so the added cost is a few cache lines per peer.
+//          Across nodes: each rank hashes its call into 8 bytes; a dissemination exchange
+//          (ceil(log2 ranks) rounds of one 16-byte message) gives every rank the global
+//          minimum and maximum hash. Equal: every rank called the same. Different (seen
+//          by every rank at once): the ranks exchange their full calls to build the report.
+//   full   every rank sends its complete call, alltoallv counts per peer included, to
+//          every other rank on each collective; also checks that rank i's send count to
+//          j equals j's receive count from i. For debugging: O(ranks) messages per call.
+// Point-to-point calls (send/recv) are not checked: they need not pair up per call.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "collectives/algorithms.h"
+#include "comm/communicator.h"
+#include "comm/deadline.h"
+#include "symmem/symmetric_heap.h"
+
+namespace crossbar {
+
+enum class CallCheckMode { kOff, kCheap, kFull };
+CallCheckMode callCheckModeFromEnv();  // CROSSBAR_CHECK_CALLS (InvalidArgument on bad values)
+const char* callCheckModeName(CallCheckMode mode);
+
+// What one rank called, normalized so that fields a collective ignores compare equal
+// (op outside reductions, root outside rooted collectives, count of alltoallv).
+struct CallSignature {
+  int32_t coll = -1;
+  int32_t type = -1;
+  int32_t op = -1;
+  int32_t root = -1;
+  uint64_t count = 0;
+  uint64_t seq = 0;  // position in this Collectives' sequence of collectives
+  // alltoallv only, in full mode: elements sent to / received from each rank.
+  std::vector<uint64_t> send_counts, recv_counts;
+
+  static CallSignature of(const CollArgs& a, uint64_t seq, bool with_counts);
+  uint64_t hash() const;  // of every field but the per-peer counts
+  std::string describe() const;  // "allreduce of 64 x float32 sum (collective #3)"
+  std::vector<uint8_t> serialize() const;
+  // Throws InvalidUsage when `bytes` is not a signature of `nranks` ranks.
+  static CallSignature parse(const uint8_t* bytes, size_t n, int nranks);
+};
+
+struct Mismatch {
+  std::string message;     // empty: the calls agree
+  std::vector<int> ranks;  // the ranks that differ from the majority (or the pairs' ranks)
+};
+
+// Compares every rank's call (index = rank). The reference is the largest group of
+// identical calls (ties: the one containing the lowest rank); every other group is
+// reported against it, field by field. Pure function: every rank computes the same.
+Mismatch findMismatch(const std::vector<CallSignature>& calls);
+
+// The collective check of one call; every rank of `comm` runs it with its own view of
+// collective number `seq`. Throws InvalidUsage (identical text on every rank) on a
+// mismatch, Timeout when a peer does not reach the check before `deadline`. Owns the
+// message buffers, so keep it alive as long as the communicator's traffic (a check cut
+// short by a timeout may still receive into them).
+class CallChecker {
+ public:
+  explicit CallChecker(CallCheckMode mode) : mode_(mode) {}
+  CallCheckMode mode() const { return mode_; }
+  void check(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq, Deadline deadline);
+
+ private:
+  // Cheap mode within one node; returns every rank's call.
+  std::vector<CallSignature> exchangeLocal(const std::shared_ptr<Communicator>& comm, const CallSignature& mine,
+                                           uint64_t seq, Deadline deadline);
+  // Cheap mode across nodes: whether every rank's call hash is the same.
+  bool sameHashEverywhere(Communicator& comm, const CallSignature& mine, uint64_t seq, Deadline deadline);
+  std::vector<CallSignature> exchangeAll(Communicator& comm, const CallSignature& mine, uint64_t seq,
+                                         Deadline deadline);
+  CallCheckMode mode_;
+  uint64_t round_out_[2] = {0, 0}, round_in_[2] = {0, 0};
+  std::vector<uint8_t> out_;
+  std::vector<std::vector<uint8_t>> in_;
+  symm::SymmetricHeap heap_;                    // cheap mode, one node: created at the first check
+  std::shared_ptr<symm::SymmetricBuffer> slots_;
+  uint64_t local_checks_ = 0;  // signals consumed from each peer so far
+};
+
+}  // namespace crossbar
