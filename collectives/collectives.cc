@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "collectives/algorithms.h"
+#include "collectives/cuda/route.h"
 #include "collectives/selection.h"
 #include "collectives/signature.h"
 #include "collectives/symm_staging.h"
@@ -351,6 +352,14 @@ void validate(const CollArgs& a, const Communicator& c) {
   }
 }
 
+}  // namespace
+
+void validateCollArgs(const CollArgs& a, const Communicator& c) {
+  validate(a, c);
+}
+
+namespace {
+
 struct Planned {
   CollArgs args;
   const Algorithm* algo = nullptr;
@@ -381,6 +390,7 @@ struct Collectives::Impl {
   int group_depth = 0;
   std::vector<Planned> group;
   std::shared_ptr<WorkImpl> group_work;
+  std::shared_ptr<CudaRoute> cuda_route;  // device memory: collectives/cuda/route.h
 
   Planned plan(CollArgs a, const CollOptions& o);
   std::function<void(Deadline)> makeBody(std::vector<Planned> ops);
@@ -478,6 +488,7 @@ void Collectives::Impl::enqueue(const std::shared_ptr<WorkImpl>& w, Millis timeo
 
 WorkPtr Collectives::Impl::submit(CollArgs a, const CollOptions& o) {
   std::lock_guard<std::mutex> lk(issue_m);
+  if (WorkPtr w = routeToCuda(cuda_route, comm, a, o, group_depth > 0)) return w;
   Planned pl = plan(std::move(a), o);
   if (group_depth > 0) {
     group_work->timeout = std::max(group_work->timeout, timeoutOf(o));

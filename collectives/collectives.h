@@ -23,6 +23,10 @@ struct CollOptions {
   Millis timeout{0};           // 0: the communicator's timeout
   std::string algorithm;       // "" = selection table (CROSSBAR_ALGO overrides globally)
   double premul_scalar = 1.0;  // ReduceOp::kPreMulSum factor
+  // Device memory (detected, or forced by setting this): the cudaStream_t the call is
+  // enqueued on, stream-ordered (collectives/cuda/cuda_collectives.h); nullptr with
+  // device pointers means the legacy default stream.
+  void* cuda_stream = nullptr;
 };
 
 // Handle of a nonblocking collective. Thread-safe.

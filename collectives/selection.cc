@@ -151,6 +151,64 @@ void registerAlgorithm(Algorithm a) {
   r.push_back(std::move(a));
 }
 
+// ---- CUDA-memory algorithms -----------------------------------------------------------
+
+namespace {
+
+// Local ranks a CUDA symmetric-heap device handle addresses (cuda::kMaxLocalRanks).
+constexpr int kCudaHeapMaxRanks = 8;
+
+std::string cudaHeapApplies(const CollArgs&, const Communicator& comm) {
+  if (comm.numNodes() != 1)
+    return fmt::format("{} nodes: peers' GPU memory is only mapped within a node", comm.numNodes());
+  if (comm.size() > kCudaHeapMaxRanks)
+    return fmt::format("{} ranks: the CUDA heap kernels address at most {}", comm.size(), kCudaHeapMaxRanks);
+  return "";
+}
+
+std::string alwaysApplies(const CollArgs&, const Communicator&) {
+  return "";
+}
+
+}  // namespace
+
+const std::deque<Algorithm>& cudaAlgorithms() {
+  static const std::deque<Algorithm>* catalog = [] {
+    auto* v = new std::deque<Algorithm>();
+    auto add = [&](CollType c, const char* name, const char* summary, bool heap) {
+      Algorithm a;
+      a.coll = c;
+      a.name = name;
+      a.summary = summary;
+      a.applies = heap ? cudaHeapApplies : alwaysApplies;
+      v->push_back(std::move(a));
+    };
+    add(CollType::kAllreduce, "oneshot", "[cuda] kernel reads every peer's staged buffer, one barrier round", true);
+    add(CollType::kAllreduce, "twoshot", "[cuda] kernel reduce-scatter into peers' staging, copy-out", true);
+    add(CollType::kReduceScatter, "direct", "[cuda] kernel reduces this rank's block from every peer", true);
+    add(CollType::kReduce, "direct", "[cuda] root's kernel reduces every peer's staged buffer", true);
+    add(CollType::kAllgather, "ce", "[cuda] copy engines pull peers' blocks (zero SMs)", true);
+    add(CollType::kAlltoall, "ce", "[cuda] copy engines pull this rank's block from each peer", true);
+    add(CollType::kAlltoallv, "ce", "[cuda] copy engines pull (displacements exchanged on the host)", true);
+    add(CollType::kBroadcast, "ce", "[cuda] copy engines pull the root's staged buffer", true);
+    add(CollType::kGather, "ce", "[cuda] root's copy engines pull every block", true);
+    add(CollType::kScatter, "ce", "[cuda] copy engines pull this rank's block from the root", true);
+    add(CollType::kBarrier, "signal", "[cuda] stream memory operations on the heap's signal pads", true);
+    for (int i = 0; i < kNumCollTypes; ++i)
+      add(static_cast<CollType>(i), "nccl", "[cuda] NCCL (created on first use; CTA policy zero, windows)",
+          false);
+    return v;
+  }();
+  return *catalog;
+}
+
+const Algorithm* findAlgorithm(CollType coll, const std::string& name, MemoryKind memory) {
+  if (memory == MemoryKind::kHost) return findAlgorithm(coll, name);
+  for (const Algorithm& a : cudaAlgorithms())
+    if (a.coll == coll && a.name == name) return &a;
+  return nullptr;
+}
+
 bool uniformNodes(const Communicator& comm) {
   const size_t local = comm.nodePeers(comm.rank()).size();
   for (int r = 0; r < comm.size(); ++r)
@@ -204,6 +262,32 @@ const std::vector<SelectionRule>& selectionTable() {
       {CollType::kBarrier, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "dissemination"},
       {CollType::kSend, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "p2p"},
       {CollType::kRecv, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "p2p"},
+      // CUDA memory (collectives/cuda). One node: the CUDA symmetric heap; one-shot
+      // while reading every peer's whole buffer beats a second round (NVLink-class
+      // threshold, not yet tuned by measurement). Else, and for send/recv: NCCL.
+      {CollType::kAllreduce, 0, 256 * K, 1, 8, NodeScope::kSingle, "oneshot", MemoryKind::kCuda},
+      {CollType::kAllreduce, 256 * K, kInf, 1, 8, NodeScope::kSingle, "twoshot", MemoryKind::kCuda},
+      {CollType::kReduceScatter, 0, kInf, 1, 8, NodeScope::kSingle, "direct", MemoryKind::kCuda},
+      {CollType::kReduce, 0, kInf, 1, 8, NodeScope::kSingle, "direct", MemoryKind::kCuda},
+      {CollType::kAllgather, 0, kInf, 1, 8, NodeScope::kSingle, "ce", MemoryKind::kCuda},
+      {CollType::kAlltoall, 0, kInf, 1, 8, NodeScope::kSingle, "ce", MemoryKind::kCuda},
+      {CollType::kAlltoallv, 0, kInf, 1, 8, NodeScope::kSingle, "ce", MemoryKind::kCuda},
+      {CollType::kBroadcast, 0, kInf, 1, 8, NodeScope::kSingle, "ce", MemoryKind::kCuda},
+      {CollType::kGather, 0, kInf, 1, 8, NodeScope::kSingle, "ce", MemoryKind::kCuda},
+      {CollType::kScatter, 0, kInf, 1, 8, NodeScope::kSingle, "ce", MemoryKind::kCuda},
+      {CollType::kBarrier, 0, kInf, 1, 8, NodeScope::kSingle, "signal", MemoryKind::kCuda},
+      {CollType::kAllreduce, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "nccl", MemoryKind::kCuda},
+      {CollType::kAllgather, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "nccl", MemoryKind::kCuda},
+      {CollType::kReduceScatter, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "nccl", MemoryKind::kCuda},
+      {CollType::kBroadcast, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "nccl", MemoryKind::kCuda},
+      {CollType::kReduce, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "nccl", MemoryKind::kCuda},
+      {CollType::kAlltoall, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "nccl", MemoryKind::kCuda},
+      {CollType::kAlltoallv, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "nccl", MemoryKind::kCuda},
+      {CollType::kGather, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "nccl", MemoryKind::kCuda},
+      {CollType::kScatter, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "nccl", MemoryKind::kCuda},
+      {CollType::kBarrier, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "nccl", MemoryKind::kCuda},
+      {CollType::kSend, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "nccl", MemoryKind::kCuda},
+      {CollType::kRecv, 0, kInf, 1, kAnyRanks, NodeScope::kAny, "nccl", MemoryKind::kCuda},
   };
   return table;
 }
@@ -227,21 +311,29 @@ static const char* scopeName(NodeScope s) {
   return "?";
 }
 
+static const char* memoryName(MemoryKind m) {
+  return m == MemoryKind::kCuda ? "cuda" : "host";
+}
+
 static std::string ruleText(const SelectionRule& r) {
   std::string ranks = r.max_ranks == kAnyRanks ? fmt::format(">={}", r.min_ranks)
                                                : fmt::format("{}..{}", r.min_ranks, r.max_ranks);
-  return fmt::format("{:<15} {:>6} .. {:<6} ranks {:<5} nodes {:<4} -> {}", collTypeName(r.coll),
-                     fmtBytes(r.min_bytes), fmtBytes(r.max_bytes), ranks, scopeName(r.nodes), r.algorithm);
+  return fmt::format("{:<4} {:<15} {:>6} .. {:<6} ranks {:<5} nodes {:<4} -> {}", memoryName(r.memory),
+                     collTypeName(r.coll), fmtBytes(r.min_bytes), fmtBytes(r.max_bytes), ranks,
+                     scopeName(r.nodes), r.algorithm);
 }
 
 std::string describeAlgorithmTable() {
   std::string out =
       "Collective algorithm table (first matching row whose algorithm applies wins;\n"
-      "bytes = nccl-tests size: the whole buffer of allgather/reduce_scatter/alltoall/gather/scatter):\n";
+      "bytes = nccl-tests size: the whole buffer of allgather/reduce_scatter/alltoall/gather/scatter;\n"
+      "memory = where the buffers are: host, or cuda for device pointers):\n";
   for (const SelectionRule& r : selectionTable()) out += "  " + ruleText(r) + "\n";
   out += "Registered algorithms:\n";
   for (const Algorithm& a : algorithms())
-    out += fmt::format("  {:<15} {:<18} {}\n", collTypeName(a.coll), a.name, a.summary);
+    out += fmt::format("  host {:<15} {:<18} {}\n", collTypeName(a.coll), a.name, a.summary);
+  for (const Algorithm& a : cudaAlgorithms())
+    out += fmt::format("  cuda {:<15} {:<18} {}\n", collTypeName(a.coll), a.name, a.summary);
   std::string env = env::getString("CROSSBAR_ALGO");
   out += fmt::format("CROSSBAR_ALGO={}\n", env.empty() ? "(unset: table)" : env);
   return out;
@@ -249,11 +341,15 @@ std::string describeAlgorithmTable() {
 
 // ---- overrides -----------------------------------------------------------------------
 
-static std::string namesFor(CollType c) {
+static std::string namesFor(CollType c, MemoryKind m) {
   std::string s;
-  for (const Algorithm& a : algorithms())
+  for (const Algorithm& a : m == MemoryKind::kHost ? algorithms() : cudaAlgorithms())
     if (a.coll == c) s += (s.empty() ? "" : ", ") + a.name;
   return s;
+}
+
+static std::string namesFor(CollType c) {
+  return fmt::format("host: {}; cuda: {}", namesFor(c, MemoryKind::kHost), namesFor(c, MemoryKind::kCuda));
 }
 
 AlgoOverride parseAlgoOverride(const std::string& text) {
@@ -270,11 +366,12 @@ AlgoOverride parseAlgoOverride(const std::string& text) {
     if (eq == std::string::npos) {
       // A bare name applies to every collective that has an algorithm of that name.
       bool any = false;
-      for (const Algorithm& a : algorithms())
-        if (a.name == item) {
-          o.per_coll[static_cast<int>(a.coll)] = item;
-          any = true;
-        }
+      for (const auto* list : {&algorithms(), &cudaAlgorithms()})
+        for (const Algorithm& a : *list)
+          if (a.name == item) {
+            o.per_coll[static_cast<int>(a.coll)] = item;
+            any = true;
+          }
       if (!any)
         throw InvalidArgument(
             fmt::format("CROSSBAR_ALGO={}: no collective has an algorithm named '{}'. "
@@ -290,7 +387,7 @@ AlgoOverride parseAlgoOverride(const std::string& text) {
                       "reduce_scatter, broadcast, reduce, alltoall, alltoallv, gather, scatter, "
                       "barrier)",
                       text, cname));
-    if (!findAlgorithm(c, aname))
+    if (!findAlgorithm(c, aname, MemoryKind::kHost) && !findAlgorithm(c, aname, MemoryKind::kCuda))
       throw InvalidArgument(fmt::format("CROSSBAR_ALGO={}: {} has no algorithm '{}'; choices: {}", text,
                                         cname, aname, namesFor(c)));
     o.per_coll[static_cast<int>(c)] = aname;
@@ -299,14 +396,15 @@ AlgoOverride parseAlgoOverride(const std::string& text) {
 }
 
 Selection selectAlgorithm(const CollArgs& args, const Communicator& comm, const std::string& forced,
-                          const AlgoOverride& env_override) {
+                          const AlgoOverride& env_override, MemoryKind memory) {
   std::string fallback_note;
+  const char* mem = memoryName(memory);
   auto tryNamed = [&](const std::string& name, const char* source) -> const Algorithm* {
-    const Algorithm* a = findAlgorithm(args.coll, name);
+    const Algorithm* a = findAlgorithm(args.coll, name, memory);
     if (!a)
-      throw InvalidArgument(fmt::format("{}{} '{}' is not an algorithm of {}; choices: {}",
+      throw InvalidArgument(fmt::format("{}{} '{}' is not an algorithm of {} on {} memory; choices: {}",
                                         errorContext(comm.rank(), collTypeName(args.coll)), source, name,
-                                        collTypeName(args.coll), namesFor(args.coll)));
+                                        collTypeName(args.coll), mem, namesFor(args.coll, memory)));
     std::string why = a->applies(args, comm);
     if (why.empty()) return a;
     fallback_note = fmt::format(" ({} '{}' does not apply: {})", source, name, why);
@@ -315,26 +413,27 @@ Selection selectAlgorithm(const CollArgs& args, const Communicator& comm, const 
   if (!forced.empty())
     if (const Algorithm* a = tryNamed(forced, "CollOptions.algorithm")) return {a, "CollOptions.algorithm"};
   const std::string& env_name = env_override.per_coll[static_cast<int>(args.coll)];
-  if (!env_name.empty() && forced.empty())
+  // A CROSSBAR_ALGO name of the other memory kind only (e.g. nccl for a host call) is ignored.
+  if (!env_name.empty() && forced.empty() && findAlgorithm(args.coll, env_name, memory))
     if (const Algorithm* a = tryNamed(env_name, "CROSSBAR_ALGO")) return {a, "CROSSBAR_ALGO"};
 
   const size_t bytes = args.selectionBytes(comm.size());
   const int n = comm.size();
   const int nodes = comm.numNodes();
   for (const SelectionRule& r : selectionTable()) {
-    if (r.coll != args.coll || bytes < r.min_bytes || bytes >= r.max_bytes) continue;
+    if (r.memory != memory || r.coll != args.coll || bytes < r.min_bytes || bytes >= r.max_bytes) continue;
     if (n < r.min_ranks || n > r.max_ranks) continue;
     if ((r.nodes == NodeScope::kSingle && nodes != 1) || (r.nodes == NodeScope::kMulti && nodes < 2))
       continue;
-    const Algorithm* a = findAlgorithm(args.coll, r.algorithm);
+    const Algorithm* a = findAlgorithm(args.coll, r.algorithm, memory);
     if (!a || !a->applies(args, comm).empty()) continue;
     return {a, "table: " + ruleText(r) + fallback_note};
   }
-  for (const Algorithm& a : algorithms())
+  for (const Algorithm& a : memory == MemoryKind::kHost ? algorithms() : cudaAlgorithms())
     if (a.coll == args.coll && a.applies(args, comm).empty())
       return {&a, "fallback: first that applies" + fallback_note};
-  throw InternalError(fmt::format("{}no algorithm applies to {} on {} ranks",
-                                  errorContext(comm.rank(), "select"), args.describe(), n));
+  throw InternalError(fmt::format("{}no algorithm applies to {} on {} ranks ({} memory)",
+                                  errorContext(comm.rank(), "select"), args.describe(), n, mem));
 }
 
 }  // namespace crossbar

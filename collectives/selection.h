@@ -1,7 +1,12 @@
-// Algorithm selection: one visible table (collective x size range x ranks x nodes ->
-// algorithm), read top to bottom; the first row that matches and whose algorithm
-// applies wins, else any registered algorithm of the collective that applies.
+// Algorithm selection: one visible table (collective x size range x ranks x nodes x
+// memory -> algorithm), read top to bottom; the first row of the call's memory kind
+// that matches and whose algorithm applies wins, else any algorithm of that memory
+// kind and collective that applies. Host-memory algorithms are the registry of
+// algorithms.h; CUDA-memory ones are described by cudaAlgorithms() (names, summaries,
+// when they apply) and run by collectives/cuda.
 // Overrides, strongest first: CollOptions::algorithm, CROSSBAR_ALGO, the table.
+// CROSSBAR_ALGO names may be host or CUDA algorithms ("allreduce=oneshot" applies to
+// both memories, "nccl" only to CUDA); a name the call's memory kind lacks is ignored.
 #pragma once
 
 #include <cstddef>
@@ -23,9 +28,16 @@ struct SelectionRule {
   int max_ranks = std::numeric_limits<int>::max();
   NodeScope nodes = NodeScope::kAny;
   std::string algorithm;
+  MemoryKind memory = MemoryKind::kHost;
 };
 
 const std::vector<SelectionRule>& selectionTable();
+
+// The CUDA-memory algorithms (collectives/cuda runs them; `run` is empty here), so the
+// table, CROSSBAR_ALGO and crossbar-info know them in every build.
+const std::deque<Algorithm>& cudaAlgorithms();
+// The algorithm `name` of `coll` for memory kind `memory`; nullptr if none.
+const Algorithm* findAlgorithm(CollType coll, const std::string& name, MemoryKind memory);
 
 // The table, the registered algorithms and the active CROSSBAR_ALGO, as text.
 std::string describeAlgorithmTable();
@@ -42,8 +54,12 @@ struct Selection {
   std::string reason;  // "table: 64K <= bytes", "CollOptions.algorithm", ...
 };
 
-// Chooses the algorithm for one call. `forced` is CollOptions::algorithm.
+// Argument checks shared by the host and CUDA front ends (collectives.cc): counts,
+// roots, peers, tags, null and overlapping buffers. Throws InvalidArgument.
+void validateCollArgs(const CollArgs& args, const Communicator& comm);
+
+// Chooses the algorithm for one call on `memory`. `forced` is CollOptions::algorithm.
 Selection selectAlgorithm(const CollArgs& args, const Communicator& comm, const std::string& forced,
-                          const AlgoOverride& env_override);
+                          const AlgoOverride& env_override, MemoryKind memory = MemoryKind::kHost);
 
 }  // namespace crossbar

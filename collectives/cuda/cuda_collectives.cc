@@ -1,0 +1,1010 @@
+// CudaCollectives: selection, the internal stream, the symmetric-heap algorithms and
+// the NCCL path. See cuda_collectives.h for the model.
+//
+// Heap protocol. Every rank owns one staging buffer of the CUDA symmetric heap (signal
+// channel 0 of it carries every barrier). A rank's contribution to an operation is a
+// "region": its staging (the input copied in) or, when the user buffer already lies in
+// a buffer from allocateSymmetric(), that buffer at the same offset on every rank.
+// Each operation keeps this invariant: between operations no rank touches another
+// rank's memory, and every remote access of an operation happens after a barrier that
+// follows the owner's local writes. So an operation is: local copy-in, barrier, remote
+// reads (kernel or copy engine) / remote writes, then either an exit barrier or, when
+// only local work follows a barrier after the last remote access, nothing. Barriers
+// are stream memory operations (write a peer's pad slot, wait on ours) between
+// launches: the GPU never spins inside a kernel on another process's progress.
+#include "collectives/cuda/cuda_collectives.h"
+
+#include <fmt/format.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+
+#include "collectives/algorithms.h"
+#include "collectives/cuda/reduce_kernels.h"
+#include "collectives/float_types.h"
+#include "collectives/reduce.h"
+#include "collectives/selection.h"
+#include "comm/env.h"
+#include "comm/errors.h"
+#include "comm/log.h"
+#include "symmem/cuda/copy_engine_cuda.h"
+#include "symmem/cuda/cuda_segment_allocator.h"
+#include "symmem/cuda/cuda_symmetric.h"
+#include "symmem/cuda/device_handle.h"
+#include "symmem/cuda/driver_api.h"
+#include "symmem/cuda/nccl_window.h"
+
+namespace crossbar {
+
+namespace {
+
+constexpr int kBarrierChannel = 0;
+constexpr size_t kStageAlign = 256;
+constexpr size_t kMinStageBytes = 1 << 20;
+static_assert(cudacoll::kMaxReduceInputs == cuda::kMaxLocalRanks);
+
+size_t alignUp(size_t v, size_t a) {
+  return (v + a - 1) / a * a;
+}
+
+// Keeps the caller's current device across a call that needs ours.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) {
+      cudaGetLastError();
+      prev_ = -1;
+    }
+    if (prev_ != device) cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0) {
+      int cur = -1;
+      if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
+    }
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
+ncclDataType_t ncclType(DataType t) {
+  switch (t) {
+    case DataType::kFloat64:
+      return ncclFloat64;
+    case DataType::kFloat32:
+      return ncclFloat32;
+    case DataType::kFloat16:
+      return ncclFloat16;
+    case DataType::kBFloat16:
+      return ncclBfloat16;
+    case DataType::kFloat8E4M3:
+      return ncclFloat8e4m3;
+    case DataType::kFloat8E5M2:
+      return ncclFloat8e5m2;
+    case DataType::kInt8:
+      return ncclInt8;
+    case DataType::kUInt8:
+      return ncclUint8;
+    case DataType::kInt32:
+      return ncclInt32;
+    case DataType::kUInt32:
+      return ncclUint32;
+    case DataType::kInt64:
+      return ncclInt64;
+    case DataType::kUInt64:
+      return ncclUint64;
+  }
+  throw InvalidArgument(fmt::format("unknown DataType {}", static_cast<int>(t)));
+}
+
+// The work of one call (or group): an event recorded on the internal stream after it.
+class CudaWork final : public Work {
+ public:
+  CudaWork(std::string desc, int rank, int device, std::shared_ptr<cuda::NcclCommHolder> nccl)
+      : desc_(std::move(desc)), rank_(rank), device_(device), nccl_(std::move(nccl)) {}
+  ~CudaWork() override {
+    if (event_) cudaEventDestroy(event_);  // deferred by CUDA until the event completes
+  }
+
+  // Records completion of everything enqueued so far on `stream`.
+  void arm(cudaStream_t stream) {
+    std::lock_guard<std::mutex> lk(m_);
+    cuda::checkCuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate", device_);
+    cuda::checkCuda(cudaEventRecord(event_, stream), "cudaEventRecord", device_);
+  }
+  cudaEvent_t event() const { return event_; }
+  void setNccl(std::shared_ptr<cuda::NcclCommHolder> n) {
+    std::lock_guard<std::mutex> lk(m_);
+    nccl_ = std::move(n);
+  }
+  void setDescription(std::string d) { desc_ = std::move(d); }
+
+  bool test() override {
+    std::lock_guard<std::mutex> lk(m_);
+    return pollLocked();
+  }
+
+  void wait(Deadline deadline) override {
+    auto sleep = std::chrono::microseconds(0);
+    for (int polls = 0;; ++polls) {
+      {
+        std::lock_guard<std::mutex> lk(m_);
+        if (pollLocked()) return;
+      }
+      if (deadline.expired()) {
+        auto e = std::make_exception_ptr(Timeout(fmt::format(
+            "{}{} did not complete on GPU {} before the deadline. Its stream may wait for a peer that "
+            "did not issue the same operation (or died), or the GPU is hung. The GPU work cannot be "
+            "cancelled: abort the communicator and create a new one",
+            errorContext(rank_, "wait"), desc_, device_)));
+        std::rethrow_exception(e);
+      }
+      if (polls < 200) continue;
+      sleep = std::min(std::chrono::microseconds(1000), sleep + std::chrono::microseconds(20));
+      std::this_thread::sleep_for(sleep);
+    }
+  }
+
+  std::exception_ptr error() const override {
+    std::lock_guard<std::mutex> lk(m_);
+    return err_;
+  }
+  const std::string& description() const override { return desc_; }
+
+ private:
+  bool pollLocked() {
+    if (err_) std::rethrow_exception(err_);
+    if (done_) return true;
+    if (!event_)
+      throw InvalidUsage(errorContext(rank_, desc_) +
+                         "the operation is inside groupStart() and not launched yet; call groupEnd() first");
+    try {
+      if (nccl_) nccl_->checkAsync(desc_);
+      cudaError_t e = cudaEventQuery(event_);
+      if (e == cudaErrorNotReady) return false;
+      cuda::checkCuda(e, fmt::format("{}: cudaEventQuery", desc_), device_,
+                      "a kernel or copy of this operation faulted; the CUDA context is unusable");
+    } catch (...) {
+      err_ = std::current_exception();
+      throw;
+    }
+    done_ = true;
+    return true;
+  }
+
+  mutable std::mutex m_;
+  std::string desc_;
+  int rank_, device_;
+  std::shared_ptr<cuda::NcclCommHolder> nccl_;
+  cudaEvent_t event_ = nullptr;
+  bool done_ = false;
+  std::exception_ptr err_;
+};
+
+// Where a rank's contribution lives: the same buffer and offset on every rank.
+struct Region {
+  symm::SymmetricBuffer* buf = nullptr;
+  size_t offset = 0;
+  const char* at(int rank, size_t byte_offset = 0) const { return buf->peer<char>(rank, offset + byte_offset); }
+};
+
+}  // namespace
+
+struct CudaCollectives::Impl {
+  std::shared_ptr<Communicator> comm;  // the user's
+  std::shared_ptr<Communicator> ctl;   // dup: heap, NCCL and host exchanges (own tag space)
+  CudaCollectivesOptions opt;
+  int device = -1;
+  std::mutex m;
+  AlgoOverride env_override;
+  std::unique_ptr<cuda::CudaCopyEngine> ce;  // its stream is the internal stream
+  cudaStream_t stream = nullptr;
+  cudaEvent_t join = nullptr;  // caller's stream -> internal stream
+  symm::SymmetricHeap heap;
+  std::string heap_reason;  // "" when the heap algorithms are usable
+  std::shared_ptr<symm::SymmetricBuffer> stage;
+  std::vector<std::weak_ptr<symm::SymmetricBuffer>> user_bufs;
+  std::shared_ptr<cuda::NcclCommHolder> nccl;
+  std::string nccl_error;  // creation failed once: every later NCCL call fails the same way
+  std::vector<std::pair<std::weak_ptr<symm::SymmetricBuffer>, cuda::NcclWindow>> windows;
+  void* nccl_scratch = nullptr;  // barrier via NCCL
+  uint64_t seq = 0;
+  std::string sticky;  // an enqueue failed half-way: the peers' state is unknown
+  int group_depth = 0;
+  std::shared_ptr<CudaWork> group_work;
+  bool group_nccl_open = false;
+  std::vector<std::string> group_ops;
+  std::vector<cudaStream_t> group_streams;  // callers' streams, joined at groupEnd()
+
+  int rank() const { return comm->rank(); }
+  int size() const { return comm->size(); }
+  Millis timeout(const CollOptions& o) const {
+    if (o.timeout.count() > 0) return o.timeout;
+    return opt.timeout.count() > 0 ? opt.timeout : comm->timeout();
+  }
+  std::string ctx(const std::string& op) const { return errorContext(rank(), op); }
+
+  WorkPtr run(CollArgs a, cudaStream_t user, const CollOptions& o);
+  void execute(const CollArgs& a, const Algorithm& algo, const std::string& desc);
+  // heap helpers
+  void ensureStage(size_t bytes, Deadline deadline);
+  void barrier();
+  Region contribution(const void* ptr, size_t bytes, bool force_stage);
+  symm::SymmetricBuffer* findUserBuffer(const void* ptr, size_t bytes, size_t* offset);
+  void copies(const std::vector<cuda::CopyOp>& ops);
+  void localCopy(void* dst, const void* src, size_t bytes);
+  // algorithms
+  void allreduceHeap(const CollArgs& a, bool twoshot);
+  void reduceScatterHeap(const CollArgs& a);
+  void reduceHeap(const CollArgs& a);
+  void allgatherHeap(const CollArgs& a);
+  void alltoallHeap(const CollArgs& a);
+  size_t exchangeAlltoallv(const CollArgs& a, Deadline deadline);
+  void alltoallvHeap(const CollArgs& a);
+  std::vector<uint64_t> a2av_rows;  // exchangeAlltoallv() of the current call
+  void broadcastHeap(const CollArgs& a);
+  void gatherHeap(const CollArgs& a);
+  void scatterHeap(const CollArgs& a);
+  void runNccl(const CollArgs& a, const std::string& desc);
+  void ensureNccl(const std::string& desc);
+  void registerWindow(const std::shared_ptr<symm::SymmetricBuffer>& buf);
+  size_t stageNeed(const CollArgs& a, bool twoshot) const;
+};
+
+// ---- construction ----------------------------------------------------------------------
+
+CudaCollectives::CudaCollectives(std::shared_ptr<Communicator> comm, CudaCollectivesOptions options)
+    : impl_(new Impl) {
+  if (!comm) throw InvalidArgument("CudaCollectives: the communicator is null");
+  Impl& x = *impl_;
+  x.comm = comm;
+  x.opt = options;
+  const std::string op = "CudaCollectives";
+  if (!cuda::driverAvailable())
+    throw Unsupported(x.ctx(op) + "no usable CUDA driver/device: " + cuda::driverUnavailableReason() +
+                      ". Use the host Collectives for host memory");
+  x.device = options.device;
+  if (x.device < 0) cuda::checkCuda(cudaGetDevice(&x.device), "CudaCollectives: cudaGetDevice", -1);
+  cuda::ensureContext(x.device, op);
+  DeviceGuard guard(x.device);
+  x.env_override = parseAlgoOverride(env::getString("CROSSBAR_ALGO"));
+  x.ctl = comm->dup();  // collective
+  x.ce = std::make_unique<cuda::CudaCopyEngine>(x.device);
+  x.stream = x.ce->stream();
+  cuda::checkCuda(cudaEventCreateWithFlags(&x.join, cudaEventDisableTiming), "cudaEventCreate", x.device);
+
+  // The heap: one node of at most kMaxLocalRanks ranks (the same answer on every rank).
+  if (!options.symmetric_heap) {
+    x.heap_reason = "disabled by CudaCollectivesOptions::symmetric_heap";
+  } else if (comm->numNodes() != 1) {
+    x.heap_reason = fmt::format("{} nodes (peers' GPU memory is only mapped within a node)", comm->numNodes());
+  } else if (comm->size() > cuda::kMaxLocalRanks) {
+    x.heap_reason = fmt::format("{} ranks (at most {} on the heap)", comm->size(), cuda::kMaxLocalRanks);
+  }
+  if (x.heap_reason.empty()) {
+    // Collective; a rank that cannot create it fails the creation on every rank (the
+    // heap's own exchange reports it), so all agree.
+    symm::HeapOptions ho;
+    ho.channels = 1;
+    ho.allocator = cuda::makeCudaSegmentAllocator(x.device);
+    ho.name = "cudacoll";
+    ho.remote_access = false;
+    x.heap = symm::SymmetricHeap::create(x.ctl, ho);
+    x.stage = x.heap.allocate(std::max(kMinStageBytes, alignUp(options.initial_staging_bytes, kStageAlign)));
+  }
+  CB_INFO("coll", "{}: CudaCollectives on device {} ({}; heap {})", comm->name(), x.device, comm->describe(),
+          x.heap_reason.empty() ? "on" : "off: " + x.heap_reason);
+}
+
+CudaCollectives::~CudaCollectives() {
+  Impl& x = *impl_;
+  DeviceGuard guard(x.device);
+  // Finish this object's work (bounded) before its buffers and stream go away.
+  if (x.stream) {
+    const Deadline d = Deadline::after(std::min<Millis>(x.comm->timeout(), Millis(30'000)));
+    while (cudaStreamQuery(x.stream) == cudaErrorNotReady && !d.expired())
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    if (cudaStreamQuery(x.stream) == cudaErrorNotReady)
+      CB_WARN("coll", "{}CudaCollectives destroyed with GPU work still pending (a peer missing?)",
+              x.ctx("~CudaCollectives"));
+    cudaGetLastError();
+  }
+  x.windows.clear();
+  if (x.nccl_scratch) cudaFree(x.nccl_scratch);
+  if (x.stage && !x.stage->freed()) {
+    try {
+      x.stage->free();
+    } catch (const std::exception& e) {
+      CB_WARN("coll", "{}freeing the staging buffer: {}", x.ctx("~CudaCollectives"), e.what());
+    }
+  }
+  if (x.join) cudaEventDestroy(x.join);
+  x.ce.reset();
+}
+
+Communicator& CudaCollectives::comm() const {
+  return *impl_->comm;
+}
+int CudaCollectives::device() const {
+  return impl_->device;
+}
+const std::string& CudaCollectives::heapUnavailableReason() const {
+  return impl_->heap_reason;
+}
+bool CudaCollectives::ncclCreated() const {
+  std::lock_guard<std::mutex> lk(impl_->m);
+  return impl_->nccl != nullptr;
+}
+
+std::shared_ptr<symm::SymmetricBuffer> CudaCollectives::allocateSymmetric(size_t bytes) {
+  Impl& x = *impl_;
+  std::lock_guard<std::mutex> lk(x.m);
+  if (!x.heap_reason.empty())
+    throw Unsupported(x.ctx("allocateSymmetric") + "no CUDA symmetric heap here: " + x.heap_reason);
+  DeviceGuard guard(x.device);
+  auto buf = x.heap.allocate(bytes);
+  x.user_bufs.push_back(buf);
+  if (x.nccl) x.registerWindow(buf);
+  return buf;
+}
+
+// ---- heap helpers -----------------------------------------------------------------------
+
+void CudaCollectives::Impl::ensureStage(size_t bytes, Deadline deadline) {
+  if (stage->size() >= bytes) return;
+  // Every rank grows at the same call (the need depends on arguments equal everywhere).
+  // Peers may still read our old staging in work already enqueued: drain our stream,
+  // then agree that every rank did, before releasing it.
+  const size_t grown = alignUp(std::max(bytes, 2 * stage->size()), 2 << 20);
+  while (true) {
+    cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) cuda::checkCuda(e, "growing the staging: cudaStreamQuery", device);
+    if (deadline.expired())
+      throw Timeout(ctx("staging") + "earlier operations did not complete on the GPU before the deadline "
+                                     "(a peer missing?); cannot grow the staging buffer");
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  ctl->barrier(deadline);
+  stage->free(deadline);
+  stage = heap.allocate(grown);
+  CB_INFO("coll", "{}: CUDA staging grown to {} bytes per rank", comm->name(), grown);
+}
+
+void CudaCollectives::Impl::barrier() {
+  for (int p = 0; p < size(); ++p)
+    if (p != rank()) cuda::streamPutSignal(*stage, p, kBarrierChannel, stream);
+  for (int p = 0; p < size(); ++p)
+    if (p != rank()) cuda::streamWaitSignal(*stage, p, kBarrierChannel, stream);
+}
+
+symm::SymmetricBuffer* CudaCollectives::Impl::findUserBuffer(const void* ptr, size_t bytes, size_t* offset) {
+  auto p = reinterpret_cast<uintptr_t>(ptr);
+  for (auto it = user_bufs.begin(); it != user_bufs.end();) {
+    auto buf = it->lock();
+    if (!buf || buf->freed()) {
+      it = user_bufs.erase(it);
+      continue;
+    }
+    auto base = reinterpret_cast<uintptr_t>(buf->localPtr());
+    if (p >= base && p - base <= buf->size() && bytes <= buf->size() - (p - base)) {
+      *offset = p - base;
+      return buf.get();  // kept alive by the caller's shared_ptr for the operation's duration
+    }
+    ++it;
+  }
+  return nullptr;
+}
+
+void CudaCollectives::Impl::localCopy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0 || dst == src) return;
+  cuda::CopyOp op{src, dst, bytes};
+  ce->enqueue({&op, 1});
+}
+
+void CudaCollectives::Impl::copies(const std::vector<cuda::CopyOp>& ops) {
+  if (!ops.empty()) ce->enqueue(ops);
+}
+
+// The rank's input as peers will read it: in place when it lies in a symmetric
+// buffer (same buffer and offset on every rank, like NCCL symmetric windows), else
+// copied into the staging at offset 0.
+Region CudaCollectives::Impl::contribution(const void* ptr, size_t bytes, bool force_stage) {
+  size_t off = 0;
+  if (!force_stage && ptr)
+    if (symm::SymmetricBuffer* b = findUserBuffer(ptr, bytes, &off)) return {b, off};
+  if (ptr) localCopy(stage->localPtr(), ptr, bytes);
+  return {stage.get(), 0};
+}
+
+size_t CudaCollectives::Impl::stageNeed(const CollArgs& a, bool twoshot) const {
+  const size_t es = elementSize(a.type), blk = a.count * es, all = blk * size();
+  switch (a.coll) {
+    case CollType::kAllreduce:
+      return twoshot ? alignUp(blk, kStageAlign) + blk : blk;
+    case CollType::kReduceScatter:
+    case CollType::kAlltoall:
+    case CollType::kScatter:
+      return all;
+    default:
+      return blk;
+  }
+}
+
+// ---- heap algorithms ---------------------------------------------------------------------
+
+void CudaCollectives::Impl::allreduceHeap(const CollArgs& a, bool twoshot) {
+  const int n = size(), me = rank();
+  const size_t es = elementSize(a.type), blk = a.count * es;
+  // One-shot in place writes the output while peers read the input: stage it.
+  Region in = contribution(a.send, blk, !twoshot && a.send == a.recv);
+  barrier();
+  cudacoll::ReduceLaunch l;
+  l.type = a.type;
+  l.op = a.op;
+  l.premul_scalar = a.premul_scalar;
+  l.num_inputs = n;
+  if (!twoshot) {
+    for (int r = 0; r < n; ++r) l.inputs[r] = in.at(r);
+    l.outputs[0] = a.recv;
+    l.num_outputs = 1;
+    l.count = a.count;
+    cudacoll::launchReduce(l, stream, device);
+    barrier();  // peers have read our input before anyone reuses it
+    return;
+  }
+  // Two-shot: rank r reduces elements [lo, hi) and writes them into every rank's
+  // staging at `out`; after a barrier each rank copies the whole result out.
+  const size_t out = alignUp(blk, kStageAlign);
+  const size_t per = (a.count + n - 1) / n;
+  const size_t lo = std::min(a.count, per * me), hi = std::min(a.count, lo + per);
+  for (int r = 0; r < n; ++r) {
+    l.inputs[r] = in.at(r, lo * es);
+    l.outputs[r] = stage->peer<char>(r, out + lo * es);
+  }
+  l.num_outputs = n;
+  l.count = hi - lo;
+  cudacoll::launchReduce(l, stream, device);
+  barrier();  // every block is written everywhere, every input read
+  localCopy(a.recv, stage->local<char>(out), blk);
+}
+
+void CudaCollectives::Impl::reduceScatterHeap(const CollArgs& a) {
+  const int n = size(), me = rank();
+  const size_t blk = a.count * elementSize(a.type);
+  Region in = contribution(a.send, blk * n, false);
+  barrier();
+  cudacoll::ReduceLaunch l;
+  l.type = a.type;
+  l.op = a.op;
+  l.premul_scalar = a.premul_scalar;
+  l.num_inputs = n;
+  for (int r = 0; r < n; ++r) l.inputs[r] = in.at(r, me * blk);
+  l.outputs[0] = a.recv;
+  l.num_outputs = 1;
+  l.count = a.count;
+  cudacoll::launchReduce(l, stream, device);
+  barrier();
+}
+
+void CudaCollectives::Impl::reduceHeap(const CollArgs& a) {
+  const int n = size();
+  const size_t blk = a.count * elementSize(a.type);
+  // The root writes its output while peers may still read its input: stage in place.
+  Region in = contribution(a.send, blk, a.send == a.recv);
+  barrier();
+  if (rank() == a.root) {
+    cudacoll::ReduceLaunch l;
+    l.type = a.type;
+    l.op = a.op;
+    l.premul_scalar = a.premul_scalar;
+    l.num_inputs = n;
+    for (int r = 0; r < n; ++r) l.inputs[r] = in.at(r);
+    l.outputs[0] = a.recv;
+    l.num_outputs = 1;
+    l.count = a.count;
+    cudacoll::launchReduce(l, stream, device);
+  }
+  barrier();
+}
+
+void CudaCollectives::Impl::allgatherHeap(const CollArgs& a) {
+  const int n = size(), me = rank();
+  const size_t blk = a.count * elementSize(a.type);
+  char* recv = static_cast<char*>(a.recv);
+  Region in = contribution(a.send, blk, false);
+  barrier();
+  std::vector<cuda::CopyOp> ops;
+  for (int r = 0; r < n; ++r)
+    ops.push_back({r == me ? a.send : in.at(r), recv + r * blk, r == me && a.send == recv + me * blk ? 0 : blk});
+  copies(ops);
+  barrier();
+}
+
+void CudaCollectives::Impl::alltoallHeap(const CollArgs& a) {
+  const int n = size(), me = rank();
+  const size_t blk = a.count * elementSize(a.type);
+  char* recv = static_cast<char*>(a.recv);
+  // In place, peers read the buffer this rank overwrites: stage it.
+  Region in = contribution(a.send, blk * n, a.send == a.recv);
+  barrier();
+  std::vector<cuda::CopyOp> ops;
+  for (int r = 0; r < n; ++r) ops.push_back({in.at(r, me * blk), recv + r * blk, blk});
+  copies(ops);
+  barrier();
+}
+
+// Rank r pulls its block from our region at our send_displs[r], so every rank needs
+// every rank's (send_counts, send_displs) row and staging need: exchanged on the host
+// before anything is enqueued. Row of rank r: counts[n], displs[n], staging bytes.
+size_t CudaCollectives::Impl::exchangeAlltoallv(const CollArgs& a, Deadline deadline) {
+  const int n = size(), me = rank();
+  const size_t es = elementSize(a.type), width = 2 * static_cast<size_t>(n) + 1;
+  std::vector<uint64_t> mine(width);
+  a2av_rows.assign(width * n, 0);
+  size_t extent = 0;
+  for (int r = 0; r < n; ++r) {
+    mine[r] = a.send_counts[r];
+    mine[n + r] = a.send_displs[r];
+    extent = std::max(extent, a.send_displs[r] + a.send_counts[r]);
+  }
+  mine[2 * n] = extent * es;
+  const uint32_t tag = static_cast<uint32_t>(seq & 0xFFFFFF);
+  const size_t row = width * sizeof(uint64_t);
+  std::vector<RequestPtr> reqs;
+  for (int r = 0; r < n; ++r) {
+    if (r == me) continue;
+    reqs.push_back(ctl->irecv(a2av_rows.data() + r * width, row, r, tag));
+    reqs.push_back(ctl->isend(mine.data(), row, r, tag));
+  }
+  std::copy(mine.begin(), mine.end(), a2av_rows.begin() + me * width);
+  ctl->waitAll(reqs, deadline);
+  size_t need = 0;
+  for (int r = 0; r < n; ++r) {
+    const uint64_t* rr = a2av_rows.data() + r * width;
+    need = std::max<size_t>(need, rr[2 * n]);
+    if (rr[me] != a.recv_counts[r])
+      throw InvalidArgument(ctx("alltoallv") + fmt::format("rank {} sends {} elements to this rank but "
+                                                           "recv_counts[{}] = {}; the counts must match",
+                                                           r, rr[me], r, a.recv_counts[r]),
+                            {r});
+  }
+  return need;
+}
+
+void CudaCollectives::Impl::alltoallvHeap(const CollArgs& a) {
+  const int n = size(), me = rank();
+  const size_t es = elementSize(a.type), width = 2 * static_cast<size_t>(n) + 1;
+  size_t extent = 0;
+  for (int r = 0; r < n; ++r) extent = std::max(extent, a.send_displs[r] + a.send_counts[r]);
+  Region in = contribution(a.send, extent * es, a.send == a.recv);
+  barrier();
+  std::vector<cuda::CopyOp> ops;
+  char* recv = static_cast<char*>(a.recv);
+  for (int r = 0; r < n; ++r) {
+    const uint64_t* rr = a2av_rows.data() + r * width;
+    ops.push_back({in.at(r, rr[n + me] * es), recv + a.recv_displs[r] * es, a.recv_counts[r] * es});
+  }
+  copies(ops);
+  barrier();
+}
+
+void CudaCollectives::Impl::broadcastHeap(const CollArgs& a) {
+  const size_t blk = a.count * elementSize(a.type);
+  Region in = contribution(rank() == a.root ? a.recv : nullptr, blk, false);
+  // Non-roots must address the root's region the way the root chose it: in place when
+  // the (same, symmetric) buffer lies in the heap.
+  size_t off = 0;
+  if (symm::SymmetricBuffer* b = findUserBuffer(a.recv, blk, &off)) in = {b, off};
+  barrier();
+  if (rank() != a.root) localCopy(a.recv, in.at(a.root), blk);
+  barrier();
+}
+
+void CudaCollectives::Impl::gatherHeap(const CollArgs& a) {
+  const int n = size(), me = rank();
+  const size_t blk = a.count * elementSize(a.type);
+  Region in = contribution(a.send, blk, false);
+  barrier();
+  if (me == a.root) {
+    char* recv = static_cast<char*>(a.recv);
+    std::vector<cuda::CopyOp> ops;
+    for (int r = 0; r < n; ++r)
+      ops.push_back({r == me ? a.send : in.at(r), recv + r * blk, r == me && a.send == recv + me * blk ? 0 : blk});
+    copies(ops);
+  }
+  barrier();
+}
+
+void CudaCollectives::Impl::scatterHeap(const CollArgs& a) {
+  const int me = rank();
+  const size_t blk = a.count * elementSize(a.type);
+  // Non-roots pass no send buffer, so they cannot know a symmetric one: always stage.
+  Region in = contribution(me == a.root ? a.send : nullptr, blk * size(), true);
+  barrier();
+  const char* mine = in.at(a.root, me * blk);
+  if (!(me == a.root && a.recv == static_cast<const char*>(a.send) + me * blk)) localCopy(a.recv, mine, blk);
+  barrier();
+}
+
+// ---- NCCL --------------------------------------------------------------------------------
+
+void CudaCollectives::Impl::registerWindow(const std::shared_ptr<symm::SymmetricBuffer>& buf) {
+  try {
+    windows.emplace_back(buf, cuda::NcclWindow::registerBuffer(*nccl, *buf));
+  } catch (const Error& e) {
+    // Collective failure on every rank alike; collectives still work without a window.
+    CB_WARN("coll", "{}NCCL window registration failed ({}); NCCL runs without symmetric kernels",
+            ctx("allocateSymmetric"), e.what());
+  }
+}
+
+void CudaCollectives::Impl::ensureNccl(const std::string& desc) {
+  if (nccl) return;
+  if (!nccl_error.empty()) throw NcclError(ctx(desc) + nccl_error);
+  cuda::NcclCommOptions no;
+  no.device = device;
+  no.cta_policy_zero = opt.nccl_cta_policy_zero;
+  no.name = comm->name() + "/cudacoll";
+  try {
+    nccl = std::make_shared<cuda::NcclCommHolder>(cuda::NcclCommHolder::create(ctl, no));
+  } catch (const std::exception& e) {
+    nccl_error = fmt::format(
+        "could not create the NCCL communicator this call needs ({} ranks; this rank uses GPU {} on {}). "
+        "NCCL allows one rank per GPU, so ranks sharing a GPU cannot use it: run one rank per GPU, or "
+        "keep the call on the CUDA heap algorithms (one node, at most {} ranks; CROSSBAR_ALGO must not "
+        "force nccl; send/recv always need NCCL). NCCL said: {}",
+        size(), device, comm->host(rank()), cuda::kMaxLocalRanks, e.what());
+    throw NcclError(ctx(desc) + nccl_error);
+  }
+  for (auto it = user_bufs.begin(); it != user_bufs.end(); ++it)
+    if (auto b = it->lock(); b && !b->freed()) registerWindow(b);
+  CB_INFO("coll", "{}: NCCL communicator created for CUDA collectives ({} ranks, cta_policy_zero={})",
+          comm->name(), size(), opt.nccl_cta_policy_zero);
+}
+
+void CudaCollectives::Impl::runNccl(const CollArgs& a, const std::string& desc) {
+  ensureNccl(desc);
+  ncclComm_t nc = nccl->get();
+  const ncclDataType_t t = ncclType(a.type);
+  const size_t es = elementSize(a.type);
+  const int n = size();
+  auto check = [&](ncclResult_t r, const char* call) { nccl->check(r, fmt::format("{}: {}", desc, call)); };
+  // Reduce op (premul-sum: a scalar of the element type, host immediate).
+  ncclRedOp_t op = ncclSum;
+  bool created = false;
+  if (a.coll == CollType::kAllreduce || a.coll == CollType::kReduceScatter || a.coll == CollType::kReduce) {
+    switch (a.op) {
+      case ReduceOp::kSum:
+        op = ncclSum;
+        break;
+      case ReduceOp::kProd:
+        op = ncclProd;
+        break;
+      case ReduceOp::kMin:
+        op = ncclMin;
+        break;
+      case ReduceOp::kMax:
+        op = ncclMax;
+        break;
+      case ReduceOp::kAvg:
+        op = ncclAvg;
+        break;
+      case ReduceOp::kPreMulSum: {
+        alignas(8) unsigned char scalar[8] = {};
+        visitDataType(a.type, [&](auto tag) {
+          using T = typename decltype(tag)::type;
+          if constexpr (std::is_floating_point_v<T>) {
+            T v = static_cast<T>(a.premul_scalar);
+            std::memcpy(scalar, &v, sizeof v);
+          } else if constexpr (IsNarrowFloat<T>::value) {
+            T v = T::fromFloat(static_cast<float>(a.premul_scalar));
+            std::memcpy(scalar, &v, sizeof v);
+          }
+        });
+        check(ncclRedOpCreatePreMulSum(&op, scalar, t, ncclScalarHostImmediate, nc), "ncclRedOpCreatePreMulSum");
+        created = true;
+        break;
+      }
+    }
+  }
+  switch (a.coll) {
+    case CollType::kAllreduce:
+      check(ncclAllReduce(a.send, a.recv, a.count, t, op, nc, stream), "ncclAllReduce");
+      break;
+    case CollType::kReduceScatter:
+      check(ncclReduceScatter(a.send, a.recv, a.count, t, op, nc, stream), "ncclReduceScatter");
+      break;
+    case CollType::kReduce:
+      check(ncclReduce(a.send, a.recv, a.count, t, op, a.root, nc, stream), "ncclReduce");
+      break;
+    case CollType::kAllgather:
+      check(ncclAllGather(a.send, a.recv, a.count, t, nc, stream), "ncclAllGather");
+      break;
+    case CollType::kBroadcast:
+      check(ncclBroadcast(a.recv, a.recv, a.count, t, a.root, nc, stream), "ncclBroadcast");
+      break;
+    case CollType::kAlltoall:
+      check(ncclAlltoAll(a.send, a.recv, a.count, t, nc, stream), "ncclAlltoAll");
+      break;
+    case CollType::kGather:
+      check(ncclGather(a.send, a.recv, a.count, t, a.root, nc, stream), "ncclGather");
+      break;
+    case CollType::kScatter:
+      check(ncclScatter(a.send, a.recv, a.count, t, a.root, nc, stream), "ncclScatter");
+      break;
+    case CollType::kAlltoallv: {
+      check(ncclGroupStart(), "ncclGroupStart");
+      for (int r = 0; r < n; ++r) {
+        const char* s = static_cast<const char*>(a.send) + a.send_displs[r] * es;
+        char* d = static_cast<char*>(a.recv) + a.recv_displs[r] * es;
+        if (a.send_counts[r]) check(ncclSend(s, a.send_counts[r], t, r, nc, stream), "ncclSend");
+        if (a.recv_counts[r]) check(ncclRecv(d, a.recv_counts[r], t, r, nc, stream), "ncclRecv");
+      }
+      check(ncclGroupEnd(), "ncclGroupEnd");
+      break;
+    }
+    case CollType::kBarrier:
+      if (!nccl_scratch)
+        cuda::checkCuda(cudaMalloc(&nccl_scratch, 256), "NCCL barrier: cudaMalloc", device);
+      check(ncclAllReduce(nccl_scratch, nccl_scratch, 1, ncclFloat32, ncclSum, nc, stream), "ncclAllReduce");
+      break;
+    case CollType::kSend:
+      check(ncclSend(a.send, a.count, t, a.peer, nc, stream), "ncclSend");
+      break;
+    case CollType::kRecv:
+      check(ncclRecv(a.recv, a.count, t, a.peer, nc, stream), "ncclRecv");
+      break;
+  }
+  if (created) ncclRedOpDestroy(op, nc);
+}
+
+// ---- issuing -----------------------------------------------------------------------------
+
+void CudaCollectives::Impl::execute(const CollArgs& a, const Algorithm& algo, const std::string& desc) {
+  if (algo.name == "nccl") {
+    runNccl(a, desc);
+    return;
+  }
+  switch (a.coll) {
+    case CollType::kAllreduce:
+      allreduceHeap(a, algo.name == "twoshot");
+      return;
+    case CollType::kReduceScatter:
+      reduceScatterHeap(a);
+      return;
+    case CollType::kReduce:
+      reduceHeap(a);
+      return;
+    case CollType::kAllgather:
+      allgatherHeap(a);
+      return;
+    case CollType::kAlltoall:
+      alltoallHeap(a);
+      return;
+    case CollType::kBroadcast:
+      broadcastHeap(a);
+      return;
+    case CollType::kGather:
+      gatherHeap(a);
+      return;
+    case CollType::kScatter:
+      scatterHeap(a);
+      return;
+    case CollType::kAlltoallv:
+      alltoallvHeap(a);
+      return;
+    case CollType::kBarrier:
+      barrier();
+      return;
+    default:
+      break;
+  }
+  throw InternalError(ctx(desc) + "no heap implementation for " + algo.name);
+}
+
+WorkPtr CudaCollectives::Impl::run(CollArgs a, cudaStream_t user, const CollOptions& o) {
+  std::lock_guard<std::mutex> lk(m);
+  const char* name = collTypeName(a.coll);
+  validateCollArgs(a, *comm);
+  if (!sticky.empty())
+    throw InvalidUsage(ctx(name) + "not run: an earlier operation failed while being enqueued, so the peers' "
+                                   "state is unknown; abort the communicator and create a new one. First "
+                                   "error: " +
+                       sticky);
+  Selection s = selectAlgorithm(a, *comm, o.algorithm, env_override, MemoryKind::kCuda);
+  const Algorithm* algo = s.algorithm;
+  if (algo->name != "nccl" && !heap_reason.empty()) {
+    s.reason += " -> nccl: no CUDA heap (" + heap_reason + ")";
+    algo = findAlgorithm(a.coll, "nccl", MemoryKind::kCuda);
+  }
+  const uint64_t my_seq = seq++;
+  const std::string desc = fmt::format("{} ({}, cuda)", a.describe(), algo->name);
+  CB_INFO("coll", "{}: cuda #{} {} [{}]", comm->name(), my_seq, desc, s.reason);
+  const bool is_nccl = algo->name == "nccl";
+  DeviceGuard guard(device);
+  const Deadline deadline = Deadline::after(timeout(o));
+  // Creating NCCL fails alike on every rank and enqueues nothing: not sticky.
+  if (is_nccl) ensureNccl(desc);
+
+  std::shared_ptr<CudaWork> w;
+  try {
+    // Host-side preparation (collective, may block) before anything is enqueued.
+    if (!is_nccl && a.coll == CollType::kAlltoallv)
+      ensureStage(exchangeAlltoallv(a, deadline), deadline);
+    else if (!is_nccl && a.coll != CollType::kBarrier)
+      ensureStage(stageNeed(a, algo->name == "twoshot"), deadline);
+    if (group_depth > 0) {
+      w = group_work;
+      group_ops.push_back(desc);
+      if (std::find(group_streams.begin(), group_streams.end(), user) == group_streams.end())
+        group_streams.push_back(user);
+      if (is_nccl && !group_nccl_open) {
+        nccl->check(ncclGroupStart(), "ncclGroupStart");
+        group_nccl_open = true;
+      }
+    } else {
+      w = std::make_shared<CudaWork>(desc, rank(), device, nullptr);
+    }
+    cuda::checkCuda(cudaEventRecord(join, user), fmt::format("{}: cudaEventRecord on the caller's stream", desc),
+                    device, "the stream must belong to this CudaCollectives' device");
+    cuda::checkCuda(cudaStreamWaitEvent(stream, join, 0), "cudaStreamWaitEvent", device);
+    const bool empty = a.coll != CollType::kBarrier && a.coll != CollType::kAlltoallv &&
+                       a.coll != CollType::kSend && a.coll != CollType::kRecv && a.count == 0;
+    if (!empty) execute(a, *algo, desc);
+    if (is_nccl) w->setNccl(nccl);
+    if (group_depth > 0) return w;
+    w->arm(stream);
+    cuda::checkCuda(cudaStreamWaitEvent(user, w->event(), 0), "cudaStreamWaitEvent on the caller's stream",
+                    device);
+  } catch (const Error& e) {
+    // Some ranks may have enqueued (or grown) more than others: later calls must not run.
+    if (sticky.empty()) sticky = fmt::format("{}: {}", desc, e.what());
+    throw;
+  }
+  return w;
+}
+
+static CollArgs base(CollType c, const void* send, void* recv, size_t count, DataType type) {
+  CollArgs a;
+  a.coll = c;
+  a.send = send;
+  a.recv = recv;
+  a.count = count;
+  a.type = type;
+  return a;
+}
+
+WorkPtr CudaCollectives::allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
+                                   cudaStream_t stream, const CollOptions& o) {
+  CollArgs a = base(CollType::kAllreduce, send, recv, count, type);
+  a.op = op;
+  a.premul_scalar = o.premul_scalar;
+  return impl_->run(std::move(a), stream, o);
+}
+
+WorkPtr CudaCollectives::allgather(const void* send, void* recv, size_t count, DataType type, cudaStream_t stream,
+                                   const CollOptions& o) {
+  return impl_->run(base(CollType::kAllgather, send, recv, count, type), stream, o);
+}
+
+WorkPtr CudaCollectives::reduceScatter(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
+                                       cudaStream_t stream, const CollOptions& o) {
+  CollArgs a = base(CollType::kReduceScatter, send, recv, count, type);
+  a.op = op;
+  a.premul_scalar = o.premul_scalar;
+  return impl_->run(std::move(a), stream, o);
+}
+
+WorkPtr CudaCollectives::broadcast(void* buffer, size_t count, DataType type, int root, cudaStream_t stream,
+                                   const CollOptions& o) {
+  CollArgs a = base(CollType::kBroadcast, buffer, buffer, count, type);
+  a.root = root;
+  return impl_->run(std::move(a), stream, o);
+}
+
+WorkPtr CudaCollectives::reduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op, int root,
+                                cudaStream_t stream, const CollOptions& o) {
+  CollArgs a = base(CollType::kReduce, send, recv, count, type);
+  a.op = op;
+  a.root = root;
+  a.premul_scalar = o.premul_scalar;
+  return impl_->run(std::move(a), stream, o);
+}
+
+WorkPtr CudaCollectives::alltoall(const void* send, void* recv, size_t count, DataType type, cudaStream_t stream,
+                                  const CollOptions& o) {
+  return impl_->run(base(CollType::kAlltoall, send, recv, count, type), stream, o);
+}
+
+WorkPtr CudaCollectives::alltoallv(const void* send, const std::vector<size_t>& send_counts,
+                                   const std::vector<size_t>& send_displs, void* recv,
+                                   const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_displs,
+                                   DataType type, cudaStream_t stream, const CollOptions& o) {
+  CollArgs a = base(CollType::kAlltoallv, send, recv, 0, type);
+  a.send_counts = send_counts;
+  a.send_displs = send_displs;
+  a.recv_counts = recv_counts;
+  a.recv_displs = recv_displs;
+  return impl_->run(std::move(a), stream, o);
+}
+
+WorkPtr CudaCollectives::gather(const void* send, void* recv, size_t count, int root, DataType type,
+                                cudaStream_t stream, const CollOptions& o) {
+  CollArgs a = base(CollType::kGather, send, recv, count, type);
+  a.root = root;
+  return impl_->run(std::move(a), stream, o);
+}
+
+WorkPtr CudaCollectives::scatter(const void* send, void* recv, size_t count, int root, DataType type,
+                                 cudaStream_t stream, const CollOptions& o) {
+  CollArgs a = base(CollType::kScatter, send, recv, count, type);
+  a.root = root;
+  return impl_->run(std::move(a), stream, o);
+}
+
+WorkPtr CudaCollectives::barrier(cudaStream_t stream, const CollOptions& o) {
+  return impl_->run(base(CollType::kBarrier, nullptr, nullptr, 0, DataType::kUInt8), stream, o);
+}
+
+WorkPtr CudaCollectives::send(const void* data, size_t count, DataType type, int peer, uint32_t tag,
+                              cudaStream_t stream, const CollOptions& o) {
+  CollArgs a = base(CollType::kSend, data, nullptr, count, type);
+  a.peer = peer;
+  a.tag = tag;
+  return impl_->run(std::move(a), stream, o);
+}
+
+WorkPtr CudaCollectives::recv(void* data, size_t count, DataType type, int peer, uint32_t tag, cudaStream_t stream,
+                              const CollOptions& o) {
+  CollArgs a = base(CollType::kRecv, nullptr, data, count, type);
+  a.peer = peer;
+  a.tag = tag;
+  return impl_->run(std::move(a), stream, o);
+}
+
+void CudaCollectives::groupStart() {
+  Impl& x = *impl_;
+  std::lock_guard<std::mutex> lk(x.m);
+  if (x.group_depth++ == 0) {
+    x.group_work = std::make_shared<CudaWork>("group", x.rank(), x.device, nullptr);
+    x.group_ops.clear();
+    x.group_streams.clear();
+    x.group_nccl_open = false;
+  }
+}
+
+WorkPtr CudaCollectives::groupEnd() {
+  Impl& x = *impl_;
+  std::lock_guard<std::mutex> lk(x.m);
+  if (x.group_depth == 0)
+    throw InvalidUsage(x.ctx("groupEnd") + "groupEnd() without a matching groupStart()");
+  std::shared_ptr<CudaWork> w = x.group_work;
+  if (--x.group_depth > 0) return w;
+  DeviceGuard guard(x.device);
+  std::string desc = fmt::format("group of {} CUDA operations", x.group_ops.size());
+  for (size_t i = 0; i < x.group_ops.size() && i < 4; ++i) desc += (i ? ", " : ": ") + x.group_ops[i];
+  if (x.group_ops.size() > 4) desc += ", ...";
+  w->setDescription(desc);
+  if (x.group_nccl_open) x.nccl->check(ncclGroupEnd(), desc + ": ncclGroupEnd");
+  x.group_nccl_open = false;
+  // The callers' streams joined the internal stream at each call; they wait for the
+  // group's end here.
+  w->arm(x.stream);
+  for (cudaStream_t user : x.group_streams)
+    cuda::checkCuda(cudaStreamWaitEvent(user, w->event(), 0), "groupEnd: cudaStreamWaitEvent", x.device);
+  x.group_work.reset();
+  x.group_ops.clear();
+  x.group_streams.clear();
+  return w;
+}
+
+}  // namespace crossbar

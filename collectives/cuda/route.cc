@@ -1,0 +1,118 @@
+#include "collectives/cuda/route.h"
+
+#include <fmt/format.h>
+
+#include "comm/errors.h"
+
+#if defined(CROSSBAR_HAVE_CUDA_COLLECTIVES)
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+
+#include <atomic>
+
+#include "collectives/cuda/cuda_collectives.h"
+#include "symmem/cuda/driver_api.h"
+#endif
+
+namespace crossbar {
+
+#if defined(CROSSBAR_HAVE_CUDA_COLLECTIVES)
+
+class CudaRoute {
+ public:
+  explicit CudaRoute(const std::shared_ptr<Communicator>& comm) : cc(comm) {}
+  CudaCollectives cc;
+};
+
+namespace {
+
+// Device memory can only exist once this process has loaded the driver; checking for
+// it first keeps host-only processes from initializing CUDA on every call.
+bool driverLoaded() {
+  static std::atomic<bool> loaded{false};
+  if (loaded.load(std::memory_order_relaxed)) return true;
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (!h) return false;
+  dlclose(h);
+  loaded.store(true, std::memory_order_relaxed);
+  return true;
+}
+
+}  // namespace
+
+MemoryKind pointerMemoryKind(const void* ptr) {
+  if (!ptr || !driverLoaded()) return MemoryKind::kHost;
+  cudaPointerAttributes at{};
+  if (cudaPointerGetAttributes(&at, ptr) != cudaSuccess) {
+    cudaGetLastError();  // unregistered host memory on old runtimes
+    return MemoryKind::kHost;
+  }
+  return at.type == cudaMemoryTypeDevice ? MemoryKind::kCuda : MemoryKind::kHost;
+}
+
+WorkPtr routeToCuda(std::shared_ptr<CudaRoute>& state, const std::shared_ptr<Communicator>& comm,
+                    const CollArgs& a, const CollOptions& o, bool in_group) {
+  const bool device = pointerMemoryKind(a.send) == MemoryKind::kCuda ||
+                      pointerMemoryKind(a.recv) == MemoryKind::kCuda;
+  if (!device && !o.cuda_stream) return nullptr;
+  const char* name = collTypeName(a.coll);
+  if (!cuda::driverAvailable())
+    throw Unsupported(errorContext(comm->rank(), name) +
+                      "CollOptions.cuda_stream is set but there is no usable CUDA driver/device: " +
+                      cuda::driverUnavailableReason());
+  if (in_group)
+    throw Unsupported(errorContext(comm->rank(), name) +
+                      "device memory inside Collectives::groupStart()/groupEnd() is not supported; use "
+                      "CudaCollectives::groupStart()/groupEnd() (collectives/cuda/cuda_collectives.h)");
+  if (!state) state = std::make_shared<CudaRoute>(comm);  // collective: every rank routes this call
+  CudaCollectives& cc = state->cc;
+  auto stream = static_cast<cudaStream_t>(o.cuda_stream);
+  switch (a.coll) {
+    case CollType::kAllreduce:
+      return cc.allreduce(a.send, a.recv, a.count, a.type, a.op, stream, o);
+    case CollType::kAllgather:
+      return cc.allgather(a.send, a.recv, a.count, a.type, stream, o);
+    case CollType::kReduceScatter:
+      return cc.reduceScatter(a.send, a.recv, a.count, a.type, a.op, stream, o);
+    case CollType::kBroadcast:
+      return cc.broadcast(a.recv, a.count, a.type, a.root, stream, o);
+    case CollType::kReduce:
+      return cc.reduce(a.send, a.recv, a.count, a.type, a.op, a.root, stream, o);
+    case CollType::kAlltoall:
+      return cc.alltoall(a.send, a.recv, a.count, a.type, stream, o);
+    case CollType::kAlltoallv:
+      return cc.alltoallv(a.send, a.send_counts, a.send_displs, a.recv, a.recv_counts, a.recv_displs, a.type,
+                          stream, o);
+    case CollType::kGather:
+      return cc.gather(a.send, a.recv, a.count, a.root, a.type, stream, o);
+    case CollType::kScatter:
+      return cc.scatter(a.send, a.recv, a.count, a.root, a.type, stream, o);
+    case CollType::kBarrier:
+      return cc.barrier(stream, o);
+    case CollType::kSend:
+      return cc.send(a.send, a.count, a.type, a.peer, a.tag, stream, o);
+    case CollType::kRecv:
+      return cc.recv(a.recv, a.count, a.type, a.peer, a.tag, stream, o);
+  }
+  throw InternalError(errorContext(comm->rank(), name) + "unknown collective");
+}
+
+#else  // no CUDA in this build: device pointers cannot be recognized, cuda_stream is refused
+
+class CudaRoute {};
+
+MemoryKind pointerMemoryKind(const void*) {
+  return MemoryKind::kHost;
+}
+
+WorkPtr routeToCuda(std::shared_ptr<CudaRoute>&, const std::shared_ptr<Communicator>& comm, const CollArgs& a,
+                    const CollOptions& o, bool) {
+  if (!o.cuda_stream) return nullptr;
+  throw Unsupported(errorContext(comm->rank(), collTypeName(a.coll)) +
+                    "CollOptions.cuda_stream is set but this crossbar was built without CUDA "
+                    "(CROSSBAR_WITH_CUDA=OFF or no toolkit); rebuild with CUDA for device memory");
+}
+
+#endif
+
+}  // namespace crossbar
