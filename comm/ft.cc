@@ -8,7 +8,9 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <string_view>
 
+#include "comm/context.h"
 #include "comm/env.h"
 #include "comm/file_store.h"
 #include "comm/log.h"
@@ -18,9 +20,16 @@ namespace crossbar::ft {
 struct CallbackList {
   std::mutex mu;
   std::vector<FailureCallback> list;
+  std::vector<std::shared_ptr<EpochResource>> resources;
 };
 
 namespace {
+
+// Data-path probes travel on the epoch communicator with an internal tag (below the
+// collectives' range, never used by users: kInternalTagBase and up are reserved).
+constexpr uint32_t kProbeTag = kInternalTagBase + 0x100;
+// Probes a cut link leaves queued: more prove nothing and would only pile up.
+constexpr size_t kMaxProbeSends = 4;
 
 // Serialized fault: "rank kind pid reporter host detail..." (one per line).
 std::string serialize(const std::vector<PeerFault>& faults) {
@@ -134,6 +143,10 @@ FailureDetector::FailureDetector(std::shared_ptr<Store> epoch_store, std::shared
   last_hb_.assign(members_.size(), -1);
   last_change_.assign(members_.size(), now);
   last_tick_ = last_heartbeat_ = now;
+  // Peers on other nodes are reached over the network, which can fail on its own.
+  for (int r = 0; r < static_cast<int>(members_.size()); ++r)
+    if (r != rank_ && std::string_view(comm_->context().transportName(comm_->worldRank(r))) == "ucx")
+      probes_.push_back(Probe{r, nullptr, {}, now, false});
   thread_ = std::thread([this] { run(); });
 }
 
@@ -208,6 +221,7 @@ void FailureDetector::tick(bool heartbeat) {
   if (now - last_tick_ > detect_timeout_ / 2) {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& t : last_change_) t = now;
+    for (auto& p : probes_) p.last_seen = now;
   }
   last_tick_ = now;
 
@@ -267,7 +281,51 @@ void FailureDetector::tick(bool heartbeat) {
       found.push_back(PeerFault{-1, FailureKind::kStoreLost, "", 0, rank_, e.what()});
     }
   }
+  probe(heartbeat, known, found);
   if (!found.empty()) revoke(found, fmt::format("detected by rank {}", rank_));
+}
+
+void FailureDetector::probe(bool send, const std::set<int>& known, std::vector<PeerFault>& found) {
+  if (probes_.empty() || revoked_.load() || comm_->aborted()) return;
+  const auto now = Clock::now();
+  for (auto& p : probes_) {
+    if (known.count(p.rank)) continue;
+    try {
+      // Every probe that arrived counts; the receive is reposted (bounded per tick).
+      for (int i = 0; i < 64 && !p.broken; ++i) {
+        if (!p.recv) p.recv = comm_->irecv(nullptr, 0, p.rank, kProbeTag);
+        if (!p.recv->test()) break;
+        p.last_seen = now;
+        p.recv.reset();
+      }
+      if (send && !p.broken) {
+        std::erase_if(p.sends, [](const RequestPtr& r) { return r->test(); });
+        if (p.sends.size() < kMaxProbeSends) p.sends.push_back(comm_->isend(nullptr, 0, p.rank, kProbeTag));
+      }
+    } catch (const std::exception& e) {
+      if (comm_->aborted()) return;  // the epoch ended: not this peer's doing
+      if (!p.broken)
+        CB_INFO("ft", "epoch {}: data-path probe to rank {} failed: {}", epoch_, p.rank, e.what());
+      p.broken = true;  // silent from now on; the check below decides what it means
+      p.recv.reset();
+      p.sends.clear();
+    }
+    // Silent on the data path, yet its store heartbeat is fresh: the process runs but
+    // the network between us does not carry its messages.
+    Clock::time_point heartbeat;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      heartbeat = last_change_[p.rank];
+    }
+    if (now - p.last_seen > detect_timeout_ && now - heartbeat < detect_timeout_ / 2 &&
+        !leftCleanly(p.rank)) {
+      found.push_back(
+          PeerFault{p.rank, FailureKind::kUnreachable, members_[p.rank].host, members_[p.rank].pid, rank_,
+                    fmt::format("no data-path probe over {} for {} ms while its store heartbeat continues",
+                                comm_->context().transportName(comm_->worldRank(p.rank)),
+                                std::chrono::duration_cast<Millis>(now - p.last_seen).count())});
+    }
+  }
 }
 
 std::exception_ptr FailureDetector::errorFor(const std::vector<PeerFault>& faults,
@@ -312,7 +370,7 @@ void FailureDetector::revoke(std::vector<PeerFault> faults, const std::string& w
       all.empty() ? std::string("no rank blamed") : describeAll(all));
   if (first) {
     CB_WARN("ft", "{}", message);
-    comm_->abort(why, errorFor(all, message));
+    abortEpoch(why, errorFor(all, message));
   }
   fire(FailureEvent{epoch_, first ? all : fresh, true, message});
 }
@@ -351,7 +409,7 @@ void FailureDetector::adopt(const std::string& text) {
       errorContext(rank_, "fault tolerance"), comm_->name(), epoch_, why,
       all.empty() ? std::string("no rank blamed") : describeAll(all));
   CB_WARN("ft", "{}", message);
-  comm_->abort(why, errorFor(all, message));
+  abortEpoch(why, errorFor(all, message));
   fire(FailureEvent{epoch_, all, false, message});
 }
 
@@ -399,6 +457,23 @@ std::vector<PeerFault> FailureDetector::classify(const std::vector<int>& ranks) 
   }
   if (!found.empty() || !revoked_.load()) revoke(found, fmt::format("detected by rank {}", rank_));
   return faults();
+}
+
+void FailureDetector::abortEpoch(const std::string& why, std::exception_ptr error) {
+  comm_->abort(why, error);
+  if (!callbacks_) return;
+  std::vector<std::shared_ptr<EpochResource>> resources;
+  {
+    std::lock_guard<std::mutex> lock(callbacks_->mu);
+    resources = callbacks_->resources;
+  }
+  for (auto& r : resources) {
+    try {
+      r->abortEpoch(why, error);
+    } catch (const std::exception& e) {
+      CB_WARN("ft", "aborting a resource of epoch {} failed: {}", epoch_, e.what());
+    }
+  }
 }
 
 void FailureDetector::fire(const FailureEvent& event) {
@@ -518,6 +593,17 @@ void FaultTolerantComm::onFailure(FailureCallback callback) {
 
 void FaultTolerantComm::abort(const std::string& reason) {
   if (detector_) detector_->revoke({}, reason);
+}
+
+void FaultTolerantComm::attach(std::shared_ptr<EpochResource> resource) {
+  if (!resource) throw InvalidArgument(errorContext(-1, "ft attach") + "resource is null");
+  std::lock_guard<std::mutex> lock(callbacks_->mu);
+  callbacks_->resources.push_back(std::move(resource));
+}
+
+void FaultTolerantComm::detach(const EpochResource* resource) {
+  std::lock_guard<std::mutex> lock(callbacks_->mu);
+  std::erase_if(callbacks_->resources, [&](const auto& r) { return r.get() == resource; });
 }
 
 std::vector<PeerFault> FaultTolerantComm::handleError(const std::exception& error) {
@@ -667,6 +753,11 @@ std::shared_ptr<Communicator> FaultTolerantComm::applyDecision(const std::string
   std::vector<Member> members;
   int my_rank = -1;
   const Member me = thisProcess();
+  EpochChange change;
+  change.old_epoch = epoch_;
+  change.new_epoch = epoch;
+  change.shrink = kind == "shrink";
+  change.old_size = comm_ ? comm_->size() : 0;
   std::string line;
   std::getline(in, line);
   while (std::getline(in, line)) {
@@ -676,12 +767,28 @@ std::shared_ptr<Communicator> FaultTolerantComm::applyDecision(const std::string
     if (!(l >> old_rank >> m.host >> m.pid)) continue;
     if (m.host == me.host && m.pid == me.pid) my_rank = static_cast<int>(members.size());
     members.push_back(m);
+    change.old_rank_of.push_back(first ? -1 : old_rank);
   }
+  for (int r = 0; r < change.old_size; ++r)
+    if (std::find(change.old_rank_of.begin(), change.old_rank_of.end(), r) == change.old_rank_of.end())
+      change.excluded.push_back(r);
   const uint64_t old_epoch = epoch_;
   if (detector_) detector_->stop();
   detector_.reset();
-  if (comm_ && !comm_->aborted())
-    comm_->abort(fmt::format("epoch {} replaced by epoch {}", old_epoch, epoch));
+  const std::string ended = fmt::format("epoch {} replaced by epoch {}", old_epoch, epoch);
+  if (comm_ && !comm_->aborted()) comm_->abort(ended);
+  std::vector<std::shared_ptr<EpochResource>> resources;
+  {
+    std::lock_guard<std::mutex> lock(callbacks_->mu);
+    resources = callbacks_->resources;
+  }
+  for (auto& r : resources) {
+    try {
+      r->abortEpoch(ended, comm_ ? comm_->context().abortError() : nullptr);
+    } catch (const std::exception& e) {
+      CB_WARN("ft", "ending a resource of epoch {} failed: {}", old_epoch, e.what());
+    }
+  }
   comm_.reset();
   if (my_rank < 0)
     throw Excluded(
@@ -691,6 +798,8 @@ std::shared_ptr<Communicator> FaultTolerantComm::applyDecision(const std::string
                     errorContext(-1, first ? "ft join" : kind), me.id(), epoch, options_.name));
   CB_INFO("ft", "entering epoch {} ({}) as rank {} of {}", epoch, kind, my_rank, members.size());
   enter(epoch, std::move(members), my_rank);
+  change.comm = comm_;
+  for (auto& r : resources) r->advance(change);  // collective; errors reach the caller
   return comm_;
 }
 

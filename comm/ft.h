@@ -10,6 +10,9 @@
 //   * watches the epoch's revoke key: the first rank that detects a failure writes it
 //     and every survivor aborts the epoch's pending work with PeerFailure/Timeout
 //     naming the failed ranks and hosts,
+//   * sends a zero-byte probe over the data path (UCX) to every peer on another node
+//     each heartbeat: a peer whose probes stop while its store heartbeat continues is
+//     alive but unreachable (a cut link), even when no operation waits on it,
 //   * treats a store that stays unreachable for detect_timeout as a fatal error.
 // shrink(): survivors post their views; the lowest live rank decides the member list
 // of the next epoch (compare-and-set on the epoch's decision key, so there is one
@@ -64,7 +67,7 @@ struct FailureEvent {
   std::string message;  // what the aborted operations report
 };
 using FailureCallback = std::function<void(const FailureEvent&)>;
-struct CallbackList;  // thread-safe list shared by the epochs' detectors
+struct CallbackList;  // callbacks and attached resources, shared by the epochs' detectors
 
 // Thrown by shrink()/grow() on a rank the agreed membership left out.
 class Excluded : public Aborted {
@@ -78,6 +81,28 @@ struct FtOptions {
   Millis detect_timeout{0};               // 0: CROSSBAR_FT_DETECT_TIMEOUT
   Millis heartbeat_interval{0};           // 0: CROSSBAR_FT_HEARTBEAT
   std::shared_ptr<Store> detector_store;  // default: the main store (see above)
+};
+
+// Something built per epoch over the communicator (an NCCL communicator, a torch
+// process group) that must fail with the epoch and be rebuilt for the next one.
+// Attach it with FaultTolerantComm::attach().
+struct EpochChange {
+  uint64_t old_epoch = 0, new_epoch = 0;
+  bool shrink = false;  // false: grow (or the first epoch of a joiner)
+  int old_size = 0;
+  std::vector<int> old_rank_of;        // per new rank: its rank in the old epoch, -1 for a joiner
+  std::vector<int> excluded;           // old ranks that are not in the new epoch (ascending)
+  std::shared_ptr<Communicator> comm;  // the new epoch's communicator
+};
+class EpochResource {
+ public:
+  virtual ~EpochResource() = default;
+  // The epoch was revoked (detector thread, abort(), or a transition): fail pending
+  // work now. Nonblocking, idempotent, thread-safe.
+  virtual void abortEpoch(const std::string& reason, std::exception_ptr error) = 0;
+  // Collective over the new epoch's members, called inside shrink()/grow() once the
+  // new communicator exists (and by join() for the joiner's first epoch).
+  virtual void advance(const EpochChange& change) = 0;
 };
 
 // One member of an epoch: enough to check liveness and to recognise itself.
@@ -117,9 +142,12 @@ class FailureDetector {
   void flushRevoke();  // writes a pending revoke to the store (detector thread / stop())
   void adopt(const std::string& revoke_text);  // a revoke written by someone else
   void fire(const FailureEvent& event);
+  void abortEpoch(const std::string& why, std::exception_ptr error);  // communicator and resources
   std::exception_ptr errorFor(const std::vector<PeerFault>& faults, const std::string& message) const;
   bool processGone(int rank, char* state) const;
   bool leftCleanly(int rank);  // the rank closed its FaultTolerantComm (not a failure)
+  // Data-path probes to peers on other nodes; returns their faults (cut links).
+  void probe(bool send, const std::set<int>& known, std::vector<PeerFault>& found);
 
   std::shared_ptr<Store> store_;  // this epoch's namespace, detector connection
   std::shared_ptr<Communicator> comm_;
@@ -140,6 +168,16 @@ class FailureDetector {
   bool store_failing_ = false;
   std::string pending_revoke_;  // revoke text not yet in the store
   std::set<int> left_;          // ranks that closed cleanly
+  // Probes (detector thread only): zero-byte messages, so a request that outlives us
+  // never writes into freed memory.
+  struct Probe {
+    int rank = -1;
+    RequestPtr recv;
+    std::vector<RequestPtr> sends;  // bounded: a cut link must not pile them up
+    Clock::time_point last_seen;
+    bool broken = false;  // the transport failed the probe: it stays silent from now
+  };
+  std::vector<Probe> probes_;
   std::thread thread_;
 };
 
@@ -175,6 +213,11 @@ class FaultTolerantComm {
 
   // Nonblocking, thread-safe, idempotent: revokes the epoch for everyone and fails pending work.
   void abort(const std::string& reason);
+  // Ties `resource` to this communicator's epochs: it is aborted on every revoke and
+  // advanced on every transition (collective: every member attaches the same kinds of
+  // resources in the same order). Call between operations, not during shrink()/grow().
+  void attach(std::shared_ptr<EpochResource> resource);
+  void detach(const EpochResource* resource);
   // Leaves cleanly: peers' detectors will not report this process's exit as a failure.
   // The destructor calls it; a process that exits without it looks dead, as it should.
   void close();
@@ -199,7 +242,7 @@ class FaultTolerantComm {
   std::vector<Member> members_;
   std::shared_ptr<Communicator> comm_;
   std::unique_ptr<FailureDetector> detector_;
-  std::shared_ptr<CallbackList> callbacks_;
+  std::shared_ptr<CallbackList> callbacks_;  // also holds the attached resources
 };
 
 }  // namespace crossbar::ft
