@@ -238,6 +238,7 @@ struct CudaCollectives::Impl {
   void ensureStage(size_t bytes, Deadline deadline);
   void barrier();
   Region contribution(const void* ptr, size_t bytes, bool force_stage);
+  bool outputHitsInput(const void* out, size_t out_bytes, const Region& in, size_t in_bytes) const;
   symm::SymmetricBuffer* findUserBuffer(const void* ptr, size_t bytes, size_t* offset);
   void copies(const std::vector<cuda::CopyOp>& ops);
   void localCopy(void* dst, const void* src, size_t bytes);
@@ -416,7 +417,18 @@ void CudaCollectives::Impl::copies(const std::vector<cuda::CopyOp>& ops) {
 
 // The rank's input as peers will read it: in place when it lies in a symmetric
 // buffer (same buffer and offset on every rank, like NCCL symmetric windows), else
-// copied into the staging at offset 0.
+// copied into the staging at offset 0. Peers address our input the way they decided
+// for theirs, so the decision may depend only on that contract, never on anything
+// that can differ between ranks (in place or not, root or not).
+// Whether this rank's output [out, out+bytes) overlaps its own input region that peers
+// read in place (a symmetric buffer used in place): then results go through the staging.
+bool CudaCollectives::Impl::outputHitsInput(const void* out, size_t out_bytes, const Region& in,
+                                            size_t in_bytes) const {
+  if (in.buf == stage.get() || !out) return false;
+  auto o = reinterpret_cast<uintptr_t>(out), i = reinterpret_cast<uintptr_t>(in.at(rank()));
+  return o < i + in_bytes && i < o + out_bytes;
+}
+
 Region CudaCollectives::Impl::contribution(const void* ptr, size_t bytes, bool force_stage) {
   size_t off = 0;
   if (!force_stage && ptr)
@@ -444,8 +456,7 @@ size_t CudaCollectives::Impl::stageNeed(const CollArgs& a, bool twoshot) const {
 void CudaCollectives::Impl::allreduceHeap(const CollArgs& a, bool twoshot) {
   const int n = size(), me = rank();
   const size_t es = elementSize(a.type), blk = a.count * es;
-  // One-shot in place writes the output while peers read the input: stage it.
-  Region in = contribution(a.send, blk, !twoshot && a.send == a.recv);
+  Region in = contribution(a.send, blk, false);
   barrier();
   cudacoll::ReduceLaunch l;
   l.type = a.type;
@@ -453,12 +464,16 @@ void CudaCollectives::Impl::allreduceHeap(const CollArgs& a, bool twoshot) {
   l.premul_scalar = a.premul_scalar;
   l.num_inputs = n;
   if (!twoshot) {
+    // In place on a symmetric buffer, peers still read what we would overwrite: reduce
+    // into the staging and copy out after the exit barrier.
+    const bool via_stage = outputHitsInput(a.recv, blk, in, blk);
     for (int r = 0; r < n; ++r) l.inputs[r] = in.at(r);
-    l.outputs[0] = a.recv;
+    l.outputs[0] = via_stage ? stage->localPtr() : a.recv;
     l.num_outputs = 1;
     l.count = a.count;
     cudacoll::launchReduce(l, stream, device);
     barrier();  // peers have read our input before anyone reuses it
+    if (via_stage) localCopy(a.recv, stage->localPtr(), blk);
     return;
   }
   // Two-shot: rank r reduces elements [lo, hi) and writes them into every rank's
@@ -498,8 +513,8 @@ void CudaCollectives::Impl::reduceScatterHeap(const CollArgs& a) {
 void CudaCollectives::Impl::reduceHeap(const CollArgs& a) {
   const int n = size();
   const size_t blk = a.count * elementSize(a.type);
-  // The root writes its output while peers may still read its input: stage in place.
-  Region in = contribution(a.send, blk, a.send == a.recv);
+  // Only the root reads (its own input too, element by element): in place is safe.
+  Region in = contribution(a.send, blk, false);
   barrier();
   if (rank() == a.root) {
     cudacoll::ReduceLaunch l;
@@ -533,13 +548,17 @@ void CudaCollectives::Impl::alltoallHeap(const CollArgs& a) {
   const int n = size(), me = rank();
   const size_t blk = a.count * elementSize(a.type);
   char* recv = static_cast<char*>(a.recv);
-  // In place, peers read the buffer this rank overwrites: stage it.
-  Region in = contribution(a.send, blk * n, a.send == a.recv);
+  Region in = contribution(a.send, blk * n, false);
+  // In place on a symmetric buffer, peers read what we overwrite: land in the staging
+  // (unused by the input then) and copy out after the exit barrier.
+  const bool via_stage = outputHitsInput(recv, blk * n, in, blk * n);
+  char* dst = via_stage ? stage->local<char>() : recv;
   barrier();
   std::vector<cuda::CopyOp> ops;
-  for (int r = 0; r < n; ++r) ops.push_back({in.at(r, me * blk), recv + r * blk, blk});
+  for (int r = 0; r < n; ++r) ops.push_back({in.at(r, me * blk), dst + r * blk, blk});
   copies(ops);
   barrier();
+  if (via_stage) localCopy(recv, dst, blk * n);
 }
 
 // Rank r pulls its block from our region at our send_displs[r], so every rank needs
@@ -550,11 +569,11 @@ size_t CudaCollectives::Impl::exchangeAlltoallv(const CollArgs& a, Deadline dead
   const size_t es = elementSize(a.type), width = 2 * static_cast<size_t>(n) + 1;
   std::vector<uint64_t> mine(width);
   a2av_rows.assign(width * n, 0);
-  size_t extent = 0;
+  size_t extent = 0;  // staging: the input, or the output landing there (in place)
   for (int r = 0; r < n; ++r) {
     mine[r] = a.send_counts[r];
     mine[n + r] = a.send_displs[r];
-    extent = std::max(extent, a.send_displs[r] + a.send_counts[r]);
+    extent = std::max({extent, a.send_displs[r] + a.send_counts[r], a.recv_displs[r] + a.recv_counts[r]});
   }
   mine[2 * n] = extent * es;
   const uint32_t tag = static_cast<uint32_t>(seq & 0xFFFFFF);
@@ -585,16 +604,22 @@ void CudaCollectives::Impl::alltoallvHeap(const CollArgs& a) {
   const size_t es = elementSize(a.type), width = 2 * static_cast<size_t>(n) + 1;
   size_t extent = 0;
   for (int r = 0; r < n; ++r) extent = std::max(extent, a.send_displs[r] + a.send_counts[r]);
-  Region in = contribution(a.send, extent * es, a.send == a.recv);
+  size_t recv_extent = 0;
+  for (int r = 0; r < n; ++r) recv_extent = std::max(recv_extent, a.recv_displs[r] + a.recv_counts[r]);
+  Region in = contribution(a.send, extent * es, false);
+  char* recv = static_cast<char*>(a.recv);
+  // As alltoall: in place on a symmetric buffer, land in the staging first.
+  const bool via_stage = outputHitsInput(recv, recv_extent * es, in, extent * es);
+  char* dst = via_stage ? stage->local<char>() : recv;
   barrier();
   std::vector<cuda::CopyOp> ops;
-  char* recv = static_cast<char*>(a.recv);
   for (int r = 0; r < n; ++r) {
     const uint64_t* rr = a2av_rows.data() + r * width;
-    ops.push_back({in.at(r, rr[n + me] * es), recv + a.recv_displs[r] * es, a.recv_counts[r] * es});
+    ops.push_back({in.at(r, rr[n + me] * es), dst + a.recv_displs[r] * es, a.recv_counts[r] * es});
   }
   copies(ops);
   barrier();
+  if (via_stage) localCopy(recv, dst, recv_extent * es);
 }
 
 void CudaCollectives::Impl::broadcastHeap(const CollArgs& a) {
