@@ -238,6 +238,12 @@ void validate(const CollArgs& a, const Communicator& c) {
   const size_t blk = a.count * es, all = blk * p;
   auto need = [&](const void* ptr, size_t bytes, const char* which) {
     if (!ptr && bytes) fail(fmt::format("{} buffer is null but must hold {} bytes", which, bytes));
+    // Reductions read and write typed elements: a misaligned address is undefined
+    // behaviour on the host and a fault on the device. Data movement copies bytes.
+    if (ptr && hasReduceOp(a.coll) && reinterpret_cast<uintptr_t>(ptr) % es != 0)
+      fail(fmt::format("{} buffer {} is not aligned to the {}-byte elements of {}; reductions need aligned "
+                       "buffers (copy into an aligned one)",
+                       which, ptr, es, dataTypeName(a.type)));
   };
   auto disjointOr = [&](const void* s, size_t slen, const void* d, size_t dlen, const void* inplace,
                         const char* rule) {
@@ -287,8 +293,11 @@ void validate(const CollArgs& a, const Communicator& c) {
       size_t send_extent = 0, recv_extent = 0;
       const size_t emax = std::numeric_limits<size_t>::max() / es;
       for (int i = 0; i < p; ++i) {
-        if (a.send_displs[i] > emax - a.send_counts[i] || a.recv_displs[i] > emax - a.recv_counts[i])
-          fail(fmt::format("displacement + count for rank {} overflows", i));
+        // Counts first: emax - count wraps for a count above emax (a negative count
+        // from a caller that converted a signed value).
+        if (a.send_counts[i] > emax || a.recv_counts[i] > emax || a.send_displs[i] > emax - a.send_counts[i] ||
+            a.recv_displs[i] > emax - a.recv_counts[i])
+          fail(fmt::format("displacement + count for rank {} overflows (negative or huge value?)", i));
         send_extent = std::max(send_extent, a.send_displs[i] + a.send_counts[i]);
         recv_extent = std::max(recv_extent, a.recv_displs[i] + a.recv_counts[i]);
       }

@@ -11,6 +11,7 @@
 
 #include "comm/env.h"
 #include "comm/errors.h"
+#include "telemetry/telemetry.h"
 
 namespace crossbar {
 
@@ -304,6 +305,10 @@ std::vector<CallSignature> CallChecker::exchangeAll(Communicator& comm, const Ca
 namespace {
 constexpr uint64_t kSlots = 64;
 constexpr size_t kSlotBytes = 64;
+// Per slot, after the slots: alltoallv send and receive counts, one uint64 per rank each.
+size_t countsBytes(int nranks) {
+  return 16 * static_cast<size_t>(nranks);
+}
 struct SlotFields {
   uint64_t seq1;  // seq + 1, stored last (release)
   int32_t coll, type, op, root;
@@ -327,7 +332,7 @@ std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Comm
     o.name = "callcheck";
     o.remote_access = false;
     heap_ = symm::SymmetricHeap::create(comm, o);
-    slots_ = heap_.allocate(kSlotBytes * (kSlots + 1));
+    slots_ = heap_.allocate(kSlotBytes * (kSlots + 1) + kSlots * countsBytes(p));
   }
   char* own = slots_->local<char>();
   if (seq >= kSlots) {
@@ -351,6 +356,12 @@ std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Comm
   }
   char* slot = own + kSlotBytes * (1 + seq % kSlots);
   SlotFields f{0, mine.coll, mine.type, mine.op, mine.root, mine.count};
+  const bool with_counts = !mine.send_counts.empty();  // alltoallv: every pair's counts
+  const size_t counts_at = kSlotBytes * (kSlots + 1) + (seq % kSlots) * countsBytes(p);
+  if (with_counts) {
+    std::memcpy(own + counts_at, mine.send_counts.data(), 8 * static_cast<size_t>(p));
+    std::memcpy(own + counts_at + 8 * static_cast<size_t>(p), mine.recv_counts.data(), 8 * static_cast<size_t>(p));
+  }
   std::memcpy(slot + sizeof f.seq1, reinterpret_cast<const char*>(&f) + sizeof f.seq1, sizeof f - sizeof f.seq1);
   storeRelease(slot, seq + 1);
   for (int q = 0; q < p; ++q)
@@ -362,6 +373,7 @@ std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Comm
     // Spin, then yield the core (with more ranks than cores the peer may need this very
     // core to arrive), then the buffer's blocking wait (futex, deadline, peer failure).
     auto arrived = [&] { return slots_->signalValue(q, 0) >= local_checks_ + 1; };
+    telemetry::PeerWait waiting(q, !arrived());  // the op's wait for its peers (telemetry)
     if (!arrived()) {
       for (int i = 0; i < 256 && !arrived(); ++i) __builtin_ia32_pause();
       const auto yield_until = Clock::now() + Millis(2);
@@ -382,6 +394,13 @@ std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Comm
     c.root = g.root;
     c.count = g.count;
     c.seq = seq;
+    if (with_counts && g.coll == mine.coll) {
+      const char* counts = slots_->peer<char>(q) + counts_at;
+      c.send_counts.resize(p);
+      c.recv_counts.resize(p);
+      std::memcpy(c.send_counts.data(), counts, 8 * static_cast<size_t>(p));
+      std::memcpy(c.recv_counts.data(), counts + 8 * static_cast<size_t>(p), 8 * static_cast<size_t>(p));
+    }
   }
   storeRelease(own, seq + 1);  // progress: peers may reuse this check's slots
   ++local_checks_;
@@ -419,9 +438,11 @@ void CallChecker::check(const std::shared_ptr<Communicator>& comm, const CollArg
   const int p = comm->size();
   if (mode_ == CallCheckMode::kOff || p == 1 || a.coll == CollType::kSend || a.coll == CollType::kRecv)
     return;
-  const CallSignature mine = CallSignature::of(a, seq, mode_ == CallCheckMode::kFull);
+  const bool local = mode_ == CallCheckMode::kCheap && comm->numNodes() == 1;
+  // Per-pair alltoallv counts: in full mode, and within a node (shared memory: free).
+  const CallSignature mine = CallSignature::of(a, seq, mode_ == CallCheckMode::kFull || local);
   Mismatch m;
-  if (mode_ == CallCheckMode::kCheap && comm->numNodes() == 1) {
+  if (local) {
     m = findMismatch(exchangeLocal(comm, mine, seq, deadline));
   } else if (mode_ == CallCheckMode::kCheap && sameHashEverywhere(*comm, mine, seq, deadline)) {
     return;

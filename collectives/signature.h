@@ -5,15 +5,17 @@
 //
 // Modes (CROSSBAR_CHECK_CALLS):
 //   off    no check.
-//   cheap  (default) within one node: every rank writes its call (32 bytes) into a slot
-//          of a small symmetric buffer, signals its peers and reads theirs, so every rank
-//          sees the same table of calls (no messages; the signal pads' futex waits). The
-//          ranks must all arrive before the data moves, which the collective itself
-//          needs anyway, so the added cost is a few cache lines per peer.
+//   cheap  (default) within one node: every rank writes its call (32 bytes; alltoallv:
+//          plus its per-peer counts) into a slot of a small symmetric buffer, signals its
+//          peers and reads theirs, so every rank sees the same table of calls (no
+//          messages; the signal pads' futex waits). The ranks must all arrive before the
+//          data moves, which the collective itself needs anyway, so the added cost is a
+//          few cache lines per peer.
 //          Across nodes: each rank hashes its call into 8 bytes; a dissemination exchange
 //          (ceil(log2 ranks) rounds of one 16-byte message) gives every rank the global
 //          minimum and maximum hash. Equal: every rank called the same. Different (seen
 //          by every rank at once): the ranks exchange their full calls to build the report.
+//          (alltoallv counts per pair are not compared across nodes in this mode.)
 //   full   every rank sends its complete call, alltoallv counts per peer included, to
 //          every other rank on each collective; also checks that rank i's send count to
 //          j equals j's receive count from i. For debugging: O(ranks) messages per call.
