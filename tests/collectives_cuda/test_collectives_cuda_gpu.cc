@@ -132,11 +132,15 @@ void expectDevice(const void* dev, DataType t, size_t n, F expect, const std::st
   }
 }
 
+// Setup copies run on the legacy default stream, which does not order with the
+// collectives' non-blocking streams: each finishes (device sync) before use. Poisoned
+// so an output that is never written cannot pass.
 struct DevBuf {
   void* p = nullptr;
   explicit DevBuf(size_t bytes) {
     if (cudaMalloc(&p, std::max<size_t>(bytes, 256)) != cudaSuccess) throw std::runtime_error("cudaMalloc");
     cudaMemset(p, 0xEE, std::max<size_t>(bytes, 256));
+    cudaDeviceSynchronize();
   }
   ~DevBuf() { cudaFree(p); }
   char* c() const { return static_cast<char*>(p); }
@@ -145,6 +149,7 @@ struct DevBuf {
 void upload(void* dev, const std::vector<uint8_t>& b) {
   if (b.empty()) return;
   ASSERT_EQ(cudaMemcpy(dev, b.data(), b.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable H2D may return before the DMA lands
 }
 
 class CudaCollGpu : public ::testing::Test {
@@ -161,8 +166,9 @@ const ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kAvg};
 const size_t kCounts[] = {0, 1, 1001};
 
 // Allreduce (one-shot, two-shot), reduce_scatter and reduce: every type x op x size,
-// in place and out of place.
-void reductions(RankEnv& env) {
+// in place and out of place (`full`), or a subset (f32, bf16, fp8; sum, avg; odd size)
+// to keep the 4-rank run short on a time-sliced GPU.
+void reductions(RankEnv& env, bool full) {
   CUDA_OK(cudaSetDevice(0));
   auto comm = env.communicator();
   const int n = comm->size(), me = comm->rank();
@@ -171,10 +177,15 @@ void reductions(RankEnv& env) {
   cudaStream_t s;
   CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   int salt = 0;
+  auto skip = [&](DataType t, ReduceOp op, size_t count) {
+    if (full) return false;
+    return t == DataType::kFloat16 || t == DataType::kInt32 || op == ReduceOp::kMax || count == 1;
+  };
   for (DataType t : kTypes)
     for (ReduceOp op : kOps)
       for (size_t count : kCounts)
         for (bool inplace : {false, true}) {
+          if (skip(t, op, count)) continue;
           const size_t es = elementSize(t), blk = count * es;
           // allreduce, both kernels
           for (const char* algo : {"oneshot", "twoshot"}) {
@@ -334,11 +345,13 @@ void pipelineAndSymmetric(RankEnv& env) {
   const int kOps = 48;
   const size_t count = 4099;
   std::vector<std::unique_ptr<DevBuf>> ins, outs;
-  WorkPtr last;
-  for (int k = 0; k < kOps; ++k) {
+  for (int k = 0; k < kOps; ++k) {  // all setup first: no device sync between the operations
     ins.push_back(std::make_unique<DevBuf>(count * 4 * n));
     outs.push_back(std::make_unique<DevBuf>(count * 4 * n));
     upload(ins.back()->p, encodeInput(t, me, count * n, 1000 + k));
+  }
+  WorkPtr last;
+  for (int k = 0; k < kOps; ++k) {
     CollOptions o;
     switch (k % 4) {
       case 0:
@@ -411,10 +424,10 @@ void pipelineAndSymmetric(RankEnv& env) {
 }
 
 TEST_F(CudaCollGpu, ReductionsTwoRanks) {
-  runRanks(2, reductions);
+  runRanks(2, [](RankEnv& env) { reductions(env, true); });
 }
 TEST_F(CudaCollGpu, ReductionsFourRanks) {
-  runRanks(4, reductions);
+  runRanks(4, [](RankEnv& env) { reductions(env, false); });
 }
 TEST_F(CudaCollGpu, CopyEngineTwoRanks) {
   runRanks(2, copies);
