@@ -37,19 +37,30 @@ struct Options {
   bool all_types = false;
   int root = 0;
   bool all_roots = false;
+  // -z: 0 none; 1 wait + barrier after each collective; 2 wait after each collective;
+  // 3 wait after each, barrier after each outer iteration (-n), barrier time excluded.
   int blocking = 0;
   int stream_null = 0;
   int timeout_s = 0;
   int cudagraph = 0;
   int report_cputime = 0;
-  int average = 1;  // time reported: 0 rank 0, 1 mean, 2 min, 3 max over ranks
+  int report_timestamps = 0;  // -S: a timestamp column after the in-place columns
+  int average = 1;            // time reported: 0 rank 0, 1 mean, 2 min, 3 max over ranks
   int local_register = 0;
   int cta_policy = -1;
-  int in_place = 0;         // -I: 0 both columns, 1 in-place only, 2 out-of-place only
-  std::string output_file;  // -J: one JSON document
+  int device_impl = 0;        // -D: NCCL device-API implementation (crossbar has none: 0 only)
+  int device_cta_count = 16;  // -V
+  int memory_report = 0;      // -M: memory usage line in the footer
+  int unalign = 0;            // -u: buffers start this many elements past their alignment
+  int per_iter_timing = 0;    // -I: per-iteration min/max/p99/cv% columns
+  int per_iter_skip = 0;      // -K: leading iterations left out of the -I statistics
+  std::string output_file;    // -J: nccl-tests' JSON document (only a .json suffix writes)
+  // nccl-tests' "... Disabling." notes for inconsistent options (printed, then run on).
+  std::vector<std::string> notes;
 
   // crossbar extensions (long options only).
   std::string mem = "host";
+  int in_place = 0;  // --placement: 0 both columns, 1 in-place only, 2 out-of-place only
   std::string algo;
   int ranks_per_node = 0;
   std::string json_lines;     // --json: one JSON record per size and placement
@@ -139,12 +150,27 @@ void computeBandwidth(const CollTest& t, size_t param_count, size_t elem_size, d
                       double* algbw, double* busbw);
 
 // ---- output ----------------------------------------------------------------------------
-// "%7.2f" / "%7.1f" / "%7.0f" by magnitude, as nccl-tests.
-std::string formatTime(double usec);
-std::string tableHeader(bool cputime);  // the three "#" lines above the rows
+// A number in `width` characters: "%.2f", else "%.1f", else "%.0f", else exponent, as
+// nccl-tests' getFloatStr.
+std::string formatFloat(double value, int width);
+std::string formatTime(double usec);  // formatFloat(usec, 7)
+// The three "#" lines above the rows (-C: cputime, -S: timestamp column, -I: per-iteration).
+std::string tableHeader(bool cputime, bool timestamps = false, bool per_iter = false);
 std::string rowPrefix(size_t bytes, size_t count, const std::string& type, const std::string& op, int root);
 // One placement's columns; wrong < 0 prints N/A (no check).
 std::string rowColumns(double usec, double algbw, double busbw, long long wrong);
+// The timestamp column of -S ("%21s" of the local time, "%Y-%m-%d %H:%M:%S").
+std::string timestampColumn();
+
+// -I: statistics over per-iteration times (seconds), as nccl-tests computes them.
+struct IterStats {
+  double min = 0, max = 0, avg = 0, p50 = 0, p95 = 0, p99 = 0, stdev = 0;
+  double cvPercent() const { return avg > 0 ? stdev / avg * 100.0 : 0.0; }
+};
+IterStats computeIterStats(const std::vector<double>& seconds);
+std::string perIterColumns(const IterStats& s);  // "  i_min  i_max  i_p99  i_cv%"
+// Human size of a memory amount, as nccl-tests' -M line ("1.50 GB", "12.0 MB", "512 B").
+std::string memoryString(int64_t bytes);
 std::string opDisplayName(std::optional<ReduceOp> op);  // nccl-tests spelling ("mulsum", "none")
 
 // ---- driver ----------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 // Command line (nccl-tests' options, same meaning and defaults, plus crossbar's long
 // options) and the table's text layout.
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <functional>
 
 #include "perf/driver.h"
@@ -140,17 +142,34 @@ std::vector<Spec> specs() {
          o.all_roots = v == "all";
          if (!o.all_roots) o.root = parseIntIn(v, w, 0, kIntMax);
        }},
-      {'z', "blocking", true, intOpt(&Options::blocking, 0, 1)},
+      {'z', "blocking", true, intOpt(&Options::blocking, 0, 3)},
       {'y', "stream_null", true, intOpt(&Options::stream_null, 0, 1)},
       {'T', "timeout", true, intOpt(&Options::timeout_s, 0, kIntMax)},
       {'G', "cudagraph", true, intOpt(&Options::cudagraph, 0, kIntMax)},
       {'C', "report_cputime", true, intOpt(&Options::report_cputime, 0, 1)},
-      {'a', "average", true, intOpt(&Options::average, 0, 3)},
-      {'R', "local_register", true, intOpt(&Options::local_register, 0, 4)},
-      {'x', "cta_policy", true, intOpt(&Options::cta_policy, 0, 2)},
-      {'I', "in_place", true, intOpt(&Options::in_place, 0, 2)},
+      {'S', "report_timestamps", true, intOpt(&Options::report_timestamps, 0, 1)},
       {'J', "output_file", true,
        [](Options& o, const std::string& v, const std::string&) { o.output_file = v; }},
+      {'a', "average", true, intOpt(&Options::average, 0, 3)},
+      {'R', "local_register", true, intOpt(&Options::local_register, 0, 2)},
+      {'x', "cta_policy", true, intOpt(&Options::cta_policy, 0, 2)},
+      {'D', "device_implementation", true, intOpt(&Options::device_impl, 0, kIntMax)},
+      // nccl-tests replaces an out-of-range -V by 16 with a note (see validate()).
+      {'V', "device_cta_count", true,
+       [](Options& o, const std::string& v, const std::string& w) {
+         o.device_cta_count = static_cast<int>(parseInteger(v, w));
+       }},
+      {'M', "memory", true, intOpt(&Options::memory_report, 0, 1)},
+      {'u', "unalign", true, intOpt(&Options::unalign, 0, 1 << 20)},
+      // nccl-tests disables -I values other than 0/1 with a note (see validate()).
+      {'I', "per_iter_timing", true,
+       [](Options& o, const std::string& v, const std::string& w) {
+         o.per_iter_timing = static_cast<int>(parseInteger(v, w));
+       }},
+      {'K', "per_iter_skip", true,
+       [](Options& o, const std::string& v, const std::string& w) {
+         o.per_iter_skip = static_cast<int>(parseInteger(v, w));
+       }},
       {'h', "help", false, [](Options& o, const std::string&, const std::string&) { o.help = true; }},
       // crossbar's own, long only.
       {0, "mem", true,
@@ -159,6 +178,18 @@ std::vector<Spec> specs() {
            fail("invalid value '" + v + "' for " + w + ": expected host or cuda");
          o.mem = v;
        }},
+      {0, "placement", true,
+       [](Options& o, const std::string& v, const std::string& w) {
+         if (v == "both") {
+           o.in_place = 0;
+         } else if (v == "in") {
+           o.in_place = 1;
+         } else if (v == "out") {
+           o.in_place = 2;
+         } else {
+           fail("invalid value '" + v + "' for " + w + ": expected both, in or out");
+         }
+       }},
       {0, "algo", true, [](Options& o, const std::string& v, const std::string&) { o.algo = v; }},
       {0, "ranks-per-node", true, intOpt(&Options::ranks_per_node, 1, kIntMax)},
       {0, "json", true, [](Options& o, const std::string& v, const std::string&) { o.json_lines = v; }},
@@ -166,6 +197,43 @@ std::vector<Spec> specs() {
       {0, "inject-error", false,
        [](Options& o, const std::string&, const std::string&) { o.inject_error = true; }},
   };
+}
+
+// nccl-tests' checks after parsing, with its outcomes: -D > 0 without -R 2 is an error;
+// inconsistent -V, -I, -K and -z 3 with -G are switched off with a note and the run goes on.
+void validate(Options& o) {
+  if (o.device_impl > 0 && o.local_register != 2)
+    fail("device implementation (-D > 0) requires enabling symmetric memory registration (-R 2)");
+  if (o.device_impl > 0)
+    fail("-D/--device_implementation " + std::to_string(o.device_impl) +
+         ": crossbar has no NCCL device-API implementations; use -D 0 (the default)");
+  if (o.device_cta_count <= 0 || o.device_cta_count > 128) {
+    o.notes.push_back("device_cta_count (-V) must be positive and less than 128, got " +
+                      std::to_string(o.device_cta_count) + ". Using default value 16.");
+    o.device_cta_count = 16;
+  }
+  if (o.per_iter_timing != 0 && o.per_iter_timing != 1) {
+    o.notes.push_back("per-iteration timing (-I) only supports 0=off or 1=on. Disabling.");
+    o.per_iter_timing = 0;
+  }
+  if (o.per_iter_timing && o.cudagraph >= 1) {
+    o.notes.push_back("per-iteration timing (-I) is incompatible with CUDA graph mode (-G). Disabling.");
+    o.per_iter_timing = 0;
+  }
+  if (o.blocking == 3 && o.cudagraph >= 1) {
+    o.notes.push_back("blocking mode (-z 3) is incompatible with CUDA graph mode (-G). Disabling.");
+    o.blocking = 0;
+  }
+  if (o.per_iter_skip < 0 || o.per_iter_skip >= o.iters) {
+    if (o.per_iter_skip != 0)
+      o.notes.push_back("per-iteration skip (-K) must be between 0 and " + std::to_string(o.iters - 1) +
+                        ". Disabling.");
+    o.per_iter_skip = 0;
+  }
+  if (o.per_iter_skip && !o.per_iter_timing) {
+    o.notes.push_back("per-iteration skip (-K) requires per-iteration timing (-I 1). Disabling.");
+    o.per_iter_skip = 0;
+  }
 }
 
 }  // namespace
@@ -236,6 +304,7 @@ Options parseOptions(int argc, char** argv) {
          std::to_string(o.max_bytes));
   if (o.step_factor <= 1 && o.step_bytes == 0 && o.min_bytes < o.max_bytes)
     fail("-i/--stepbytes 0 would never reach maxbytes; give a positive step or a -f factor");
+  validate(o);
   return o;
 }
 
@@ -257,20 +326,30 @@ std::string usage(const std::string& program) {
          "\t[-o,--op <sum/prod/min/max/avg/mulsum/all>] (default sum)\n"
          "\t[-d,--datatype <nccltype/all>] (default float)\n"
          "\t[-r,--root <root/all>] (default 0)\n"
-         "\t[-z,--blocking <0/1>] (wait and barrier after each collective)\n"
-         "\t[-y,--stream_null <0/1>] (no effect on host memory)\n"
+         "\t[-z,--blocking <0/1/2/3> 1=barrier after each inner iter (-m), 2=no barrier, 3=wait and barrier "
+         "after each outer iter (-n)]\n"
+         "\t[-y,--stream_null <0/1>] (--mem cuda: the legacy default stream)\n"
          "\t[-T,--timeout <time in seconds>] (per collective; default: CROSSBAR_TIMEOUT)\n"
-         "\t[-G,--cudagraph <num graph launches>] (no effect on host memory)\n"
+         "\t[-G,--cudagraph <num graph launches>] (no effect)\n"
          "\t[-C,--report_cputime <0/1>] (report the time to issue instead of to complete)\n"
+         "\t[-S,--report_timestamps <0/1> report timestamps (default 0)]\n"
+         "\t[-J,--output_file <file> write output to filepath, if accessible. Infer type from suffix (only "
+         "json "
+         "supported presently.)]\n"
          "\t[-a,--average <0/1/2/3> report average iteration time <0=RANK0/1=AVG/2=MIN/3=MAX>]\n"
-         "\t[-R,--local_register <0/1/2> buffer registration (no effect on host memory)]\n"
-         "\t[-x,--cta_policy <0/1/2> (no effect on host memory)]\n"
-         "\t[-I,--in_place <0/1/2> run both placements (0), in-place only (1), out-of-place only (2)]\n"
-         "\t[-J,--output_file <file> write the results as one JSON document]\n"
+         "\t[-R,--local_register <0/1/2> buffer registration (no effect)]\n"
+         "\t[-x,--cta_policy <0/1/2> (no effect)]\n"
+         "\t[-D,--device_implementation <0> NCCL device API (crossbar has none: 0 only)]\n"
+         "\t[-V,--device_cta_count <number> (default 16; no effect)]\n"
+         "\t[-M,--memory <0/1> enable memory usage report (default: 0)]\n"
+         "\t[-u,--unalign <index of first element> Misalign source and destination buffers (default: 0)]\n"
+         "\t[-I,--per_iter_timing <0/1> per-iteration timing: i_min/i_max/i_p99/i_cv% columns (default: 0)]\n"
+         "\t[-K,--per_iter_skip <count> exclude leading samples from -I summary stats (default: 0)]\n"
          "\t[-h,--help]\n"
          "crossbar options:\n"
          "\t[--nranks <N>] fork N local ranks with an embedded store (no launcher needed)\n"
-         "\t[--mem <host|cuda>] buffer memory (default host)\n"
+         "\t[--mem <host|cuda>] buffer memory (default host; cuda: one GPU per node, shared by its ranks)\n"
+         "\t[--placement <both|in|out>] run both placements (default), in-place only, or out-of-place only\n"
          "\t[--algo <name>] force a collective algorithm (see crossbar-info)\n"
          "\t[--ranks-per-node <K>] split the ranks into virtual nodes of K ranks\n"
          "\t[--json <file>] append one JSON record per size and placement (JSON lines)\n"
@@ -280,31 +359,62 @@ std::string usage(const std::string& program) {
 
 // ---- table layout ----------------------------------------------------------------------
 
-std::string formatTime(double usec) {
+std::string formatFloat(double value, int width) {
   char buf[64];
-  if (usec >= 10000.0) {
-    std::snprintf(buf, sizeof buf, "%7.0f", usec);
-  } else if (usec >= 100.0) {
-    std::snprintf(buf, sizeof buf, "%7.1f", usec);
-  } else {
-    std::snprintf(buf, sizeof buf, "%7.2f", usec);
-  }
+  for (const char* f : {"%*.2f", "%*.1f", "%*.0f"})
+    if (std::snprintf(buf, sizeof buf, f, width, value) <= width) return buf;
+  std::snprintf(buf, sizeof buf, width >= 7 ? "%*.1e" : "%*.0e", width, value);
   return buf;
 }
 
-std::string tableHeader(bool cputime) {
+std::string formatTime(double usec) {
+  return formatFloat(usec, 7);
+}
+
+namespace {
+constexpr const char* kTimestampFormat = "%Y-%m-%d %H:%M:%S";
+}
+
+std::string tableHeader(bool cputime, bool timestamps, bool per_iter) {
   const char* t = cputime ? "cputime" : "time";
-  char buf[1024];
-  int len = std::snprintf(
-      buf, sizeof buf,
+  const char* ts_label = timestamps ? "timestamp" : "";
+  const char* ts_format = timestamps ? kTimestampFormat : "";
+  const int ts_pad = timestamps ? 19 : 0;
+  char buf[2048];
+  int len = 0;
+  if (per_iter) {
+    len +=
+        std::snprintf(buf + len, sizeof buf - len,
+                      "# %10s  %12s  %8s  %6s  %6s              out-of-place (+ per-iteration)              "
+                      "                  in-place (+ per-iteration)\n",
+                      "", "", "", "", "");
+    len += std::snprintf(buf + len, sizeof buf - len,
+                         "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %7s  %7s  %7s  %7s  %6s  %6s "
+                         " %6s  %7s  %7s  %7s  "
+                         "%7s %*s\n",
+                         "size", "count", "type", "redop", "root", t, "algbw", "busbw", "#wrong", "i_min",
+                         "i_max", "i_p99", "i_cv%", t, "algbw", "busbw", "#wrong", "i_min", "i_max", "i_p99",
+                         "i_cv%", ts_pad, ts_label);
+    std::snprintf(buf + len, sizeof buf - len,
+                  "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %7s  %7s  %7s  %7s  %6s  %6s  %6s  "
+                  "%7s  %7s  %7s  "
+                  "%7s %*s\n",
+                  "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(us)", "(us)",
+                  "(%)", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(us)", "(us)", "(%)", ts_pad, ts_format);
+    return buf;
+  }
+  len += std::snprintf(
+      buf + len, sizeof buf - len,
       "# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place          \n", "", "",
       "", "", "");
   len += std::snprintf(buf + len, sizeof buf - len,
-                       "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s %6s  %7s  %6s  %6s %6s\n", "size", "count",
-                       "type", "redop", "root", t, "algbw", "busbw", "#wrong", t, "algbw", "busbw", "#wrong");
+                       "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s %*s\n", "size",
+                       "count", "type", "redop", "root", t, "algbw", "busbw", "#wrong", t, "algbw", "busbw",
+                       "#wrong", ts_pad, ts_label);
   std::snprintf(buf + len, sizeof buf - len,
-                "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %5s  %7s  %6s  %6s  %5s\n", "(B)", "(elements)",
-                "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "");
+                "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s  %7s  %6s  %6s  %6s %*s\n", "(B)",
+                "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "",
+                ts_pad, ts_format);
   return buf;
 }
 
@@ -316,12 +426,74 @@ std::string rowPrefix(size_t bytes, size_t count, const std::string& type, const
 
 std::string rowColumns(double usec, double algbw, double busbw, long long wrong) {
   char buf[256];
+  const std::string t = formatFloat(usec, 7), a = formatFloat(algbw, 6), b = formatFloat(busbw, 6);
   if (wrong >= 0) {
-    std::snprintf(buf, sizeof buf, "  %7s  %6.2f  %6.2f  %5g", formatTime(usec).c_str(), algbw, busbw,
+    std::snprintf(buf, sizeof buf, "  %7s  %6s  %6s  %6g", t.c_str(), a.c_str(), b.c_str(),
                   static_cast<double>(wrong));
   } else {
-    std::snprintf(buf, sizeof buf, "  %7s  %6.2f  %6.2f  %5s", formatTime(usec).c_str(), algbw, busbw, "N/A");
+    std::snprintf(buf, sizeof buf, "  %7s  %6s  %6s    N/A", t.c_str(), a.c_str(), b.c_str());
   }
+  return buf;
+}
+
+std::string timestampColumn() {
+  char when[64];
+  std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&now, &tm);
+  std::strftime(when, sizeof when, kTimestampFormat, &tm);
+  char buf[80];
+  std::snprintf(buf, sizeof buf, "%21s", when);
+  return buf;
+}
+
+IterStats computeIterStats(const std::vector<double>& seconds) {
+  IterStats s;
+  if (seconds.empty()) return s;
+  std::vector<double> v = seconds;
+  std::sort(v.begin(), v.end());
+  const int n = static_cast<int>(v.size());
+  // Nearest-rank percentile, as nccl-tests (p99 may equal max with < 100 samples).
+  auto pct = [n](int p) { return std::min(n - 1, (n * p + 99) / 100 - 1); };
+  s.min = v.front();
+  s.max = v.back();
+  s.p50 = v[n / 2];
+  s.p95 = v[pct(95)];
+  s.p99 = v[pct(99)];
+  double sum = 0;
+  for (double x : v) sum += x;
+  s.avg = sum / n;
+  double var = 0;
+  for (double x : v) var += (x - s.avg) * (x - s.avg);
+  s.stdev = std::sqrt(var / n);
+  return s;
+}
+
+std::string perIterColumns(const IterStats& s) {
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "  %7s  %7s  %7s  %7s", formatFloat(s.min * 1e6, 7).c_str(),
+                formatFloat(s.max * 1e6, 7).c_str(), formatFloat(s.p99 * 1e6, 7).c_str(),
+                formatFloat(s.cvPercent(), 7).c_str());
+  return buf;
+}
+
+std::string memoryString(int64_t bytes) {
+  double amount = static_cast<double>(bytes);
+  const char* unit = " B";
+  const double kib = 1024.0;
+  if (std::fabs(amount) >= kib * kib * kib) {
+    unit = " GB";
+    amount /= kib * kib * kib;
+  } else if (std::fabs(amount) >= kib * kib) {
+    unit = " MB";
+    amount /= kib * kib;
+  } else if (std::fabs(amount) >= kib) {
+    unit = " KB";
+    amount /= kib;
+  }
+  const int precision = std::fabs(amount) < 10.0 ? 2 : std::fabs(amount) < 100.0 ? 1 : 0;
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f%s", precision, amount, unit);
   return buf;
 }
 

@@ -48,6 +48,119 @@ TEST(PerfOptions, DefaultsMatchNcclTests) {
   ASSERT_EQ(o.types.size(), 1u);
   EXPECT_EQ(o.types[0], DataType::kFloat32);
   EXPECT_EQ(o.mem, "host");
+  EXPECT_EQ(o.blocking, 0);
+  EXPECT_EQ(o.report_timestamps, 0);
+  EXPECT_EQ(o.per_iter_timing, 0);
+  EXPECT_EQ(o.per_iter_skip, 0);
+  EXPECT_EQ(o.memory_report, 0);
+  EXPECT_EQ(o.unalign, 0);
+  EXPECT_EQ(o.device_impl, 0);
+  EXPECT_EQ(o.device_cta_count, 16);
+  EXPECT_EQ(o.cta_policy, -1);
+  EXPECT_EQ(o.in_place, 0);
+}
+
+// Every short option nccl-tests 2.19 accepts
+// ("t:g:b:e:i:f:n:m:w:N:p:I:K:c:o:d:r:z:y:T:hG:C:a:R:x:D:V:J:S:M:u:") is accepted here with its long name, so
+// command lines written for nccl-tests run.
+TEST(PerfOptions, EveryNcclTestsOptionIsAccepted) {
+  const std::vector<std::pair<std::string, std::string>> all = {{"t", "nthreads"},
+                                                                {"g", "ngpus"},
+                                                                {"b", "minbytes"},
+                                                                {"e", "maxbytes"},
+                                                                {"i", "stepbytes"},
+                                                                {"f", "stepfactor"},
+                                                                {"n", "iters"},
+                                                                {"m", "agg_iters"},
+                                                                {"w", "warmup_iters"},
+                                                                {"N", "run_cycles"},
+                                                                {"p", "parallel_init"},
+                                                                {"I", "per_iter_timing"},
+                                                                {"K", "per_iter_skip"},
+                                                                {"c", "check"},
+                                                                {"o", "op"},
+                                                                {"d", "datatype"},
+                                                                {"r", "root"},
+                                                                {"z", "blocking"},
+                                                                {"y", "stream_null"},
+                                                                {"T", "timeout"},
+                                                                {"G", "cudagraph"},
+                                                                {"C", "report_cputime"},
+                                                                {"a", "average"},
+                                                                {"R", "local_register"},
+                                                                {"x", "cta_policy"},
+                                                                {"D", "device_implementation"},
+                                                                {"V", "device_cta_count"},
+                                                                {"J", "output_file"},
+                                                                {"S", "report_timestamps"},
+                                                                {"M", "memory"},
+                                                                {"u", "unalign"}};
+  auto valueFor = [](const std::string& s) -> std::string {
+    if (s == "o") return "sum";
+    if (s == "d") return "float";
+    if (s == "J") return "x.json";
+    if (s == "V") return "16";
+    if (s == "D") return "0";
+    if (s == "b" || s == "e") return "32M";
+    return "1";
+  };
+  for (const auto& [s, l] : all) {
+    EXPECT_EQ(parseError({"-" + s, valueFor(s)}), "") << "-" << s;
+    EXPECT_EQ(parseError({"--" + l, valueFor(s)}), "") << "--" << l;
+    EXPECT_EQ(parseError({"--" + l + "=" + valueFor(s)}), "") << "--" << l << "=";
+  }
+  EXPECT_EQ(parseError({"-h"}), "");
+}
+
+TEST(PerfOptions, ReportTimestamps) {
+  EXPECT_EQ(parse({"-S", "1"}).report_timestamps, 1);
+  EXPECT_EQ(parse({"--report_timestamps=1"}).report_timestamps, 1);
+  EXPECT_EQ(parse({"-S0"}).report_timestamps, 0);
+  EXPECT_NE(parseError({"-S", "2"}).find("-S/--report_timestamps"), std::string::npos);
+  EXPECT_NE(parseError({"-S"}).find("needs a value"), std::string::npos);
+}
+
+TEST(PerfOptions, BlockingModes) {
+  for (int z = 0; z <= 3; ++z) EXPECT_EQ(parse({"-z", std::to_string(z)}).blocking, z);
+  EXPECT_NE(parseError({"-z", "4"}).find("-z/--blocking"), std::string::npos);
+}
+
+// nccl-tests switches inconsistent settings off with a note and runs on; -D > 0 is an error.
+TEST(PerfOptions, InconsistentSettingsAreDisabledWithANote) {
+  Options o = parse({"-I", "2"});
+  EXPECT_EQ(o.per_iter_timing, 0);
+  ASSERT_EQ(o.notes.size(), 1u);
+  EXPECT_EQ(o.notes[0], "per-iteration timing (-I) only supports 0=off or 1=on. Disabling.");
+  o = parse({"-K", "2"});
+  EXPECT_EQ(o.per_iter_skip, 0);
+  ASSERT_EQ(o.notes.size(), 1u);
+  EXPECT_EQ(o.notes[0], "per-iteration skip (-K) requires per-iteration timing (-I 1). Disabling.");
+  o = parse({"-I", "1", "-n", "5", "-K", "5"});
+  EXPECT_EQ(o.per_iter_skip, 0);
+  EXPECT_EQ(o.notes.at(0), "per-iteration skip (-K) must be between 0 and 4. Disabling.");
+  o = parse({"-I", "1", "-n", "5", "-K", "4"});
+  EXPECT_EQ(o.per_iter_skip, 4);
+  EXPECT_TRUE(o.notes.empty());
+  o = parse({"-I", "1", "-G", "1"});
+  EXPECT_EQ(o.per_iter_timing, 0);
+  EXPECT_NE(o.notes.at(0).find("incompatible with CUDA graph mode"), std::string::npos);
+  o = parse({"-z", "3", "-G", "1"});
+  EXPECT_EQ(o.blocking, 0);
+  o = parse({"-V", "500"});
+  EXPECT_EQ(o.device_cta_count, 16);
+  EXPECT_NE(o.notes.at(0).find("Using default value 16"), std::string::npos);
+  EXPECT_NE(parseError({"-D", "1"}).find("requires enabling symmetric memory registration (-R 2)"),
+            std::string::npos);
+  EXPECT_NE(parseError({"-D", "1", "-R", "2"}).find("no NCCL device-API implementations"), std::string::npos);
+}
+
+TEST(PerfOptions, PlacementIsALongOption) {
+  EXPECT_EQ(parse({"--placement", "both"}).in_place, 0);
+  EXPECT_EQ(parse({"--placement=in"}).in_place, 1);
+  EXPECT_EQ(parse({"--placement", "out"}).in_place, 2);
+  EXPECT_NE(parseError({"--placement", "x"}).find("expected both, in or out"), std::string::npos);
+  // -I is nccl-tests' per-iteration timing, not a placement.
+  EXPECT_EQ(parse({"-I", "1"}).in_place, 0);
 }
 
 TEST(PerfOptions, ShortLongAndAttachedForms) {
@@ -83,8 +196,18 @@ TEST(PerfOptions, ShortLongAndAttachedForms) {
                      "1",
                      "-x",
                      "1",
-                     "-I",
+                     "-S",
                      "1",
+                     "-M",
+                     "1",
+                     "-u",
+                     "3",
+                     "-D",
+                     "0",
+                     "-V",
+                     "8",
+                     "--placement",
+                     "in",
                      "-J",
                      "out.json",
                      "--mem",
@@ -114,7 +237,13 @@ TEST(PerfOptions, ShortLongAndAttachedForms) {
   EXPECT_EQ(o.cudagraph, 2);
   EXPECT_EQ(o.local_register, 1);
   EXPECT_EQ(o.cta_policy, 1);
+  EXPECT_EQ(o.report_timestamps, 1);
+  EXPECT_EQ(o.memory_report, 1);
+  EXPECT_EQ(o.unalign, 3);
+  EXPECT_EQ(o.device_impl, 0);
+  EXPECT_EQ(o.device_cta_count, 8);
   EXPECT_EQ(o.in_place, 1);
+  EXPECT_TRUE(o.notes.empty());
   EXPECT_EQ(o.output_file, "out.json");
   EXPECT_EQ(o.algo, "ring");
   EXPECT_EQ(o.ranks_per_node, 2);
@@ -171,38 +300,77 @@ TEST(PerfOptions, ClearErrors) {
   EXPECT_NE(parseError({"--help=1"}).find("takes no value"), std::string::npos);
 }
 
-TEST(PerfTable, HeaderMatchesNcclTestsLayout) {
-  std::string h = tableHeader(false);
-  std::vector<std::string> lines;
+std::vector<std::string> lines(const std::string& h) {
+  std::vector<std::string> out;
   size_t pos = 0;
   while (pos < h.size()) {
     size_t nl = h.find('\n', pos);
-    lines.push_back(h.substr(pos, nl - pos));
+    out.push_back(h.substr(pos, nl - pos));
     pos = nl + 1;
   }
-  ASSERT_EQ(lines.size(), 3u);
-  EXPECT_EQ(lines[0].substr(0, 2), "# ");
-  EXPECT_NE(lines[0].find("out-of-place"), std::string::npos);
-  EXPECT_NE(lines[0].find("in-place"), std::string::npos);
+  return out;
+}
+
+// The strings nccl-tests 2.19.6 prints (util.cu writeResultHeader), byte for byte.
+TEST(PerfTable, HeaderMatchesNcclTestsLayout) {
+  std::vector<std::string> l = lines(tableHeader(false));
+  ASSERT_EQ(l.size(), 3u);
   EXPECT_EQ(
-      lines[1],
-      "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw"
-      "   busbw #wrong");
+      l[0],
+      "#                                                              out-of-place                       "
+      "in-place          ");
   EXPECT_EQ(
-      lines[2],
-      "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)"
-      "  (GB/s)       ");
+      l[1],
+      "#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw"
+      "   busbw  #wrong ");
+  EXPECT_EQ(
+      l[2],
+      "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)             (us)  (GB/s)"
+      "  (GB/s)         ");
   EXPECT_NE(tableHeader(true).find("cputime"), std::string::npos);
+}
+
+TEST(PerfTable, TimestampHeader) {
+  std::vector<std::string> l = lines(tableHeader(false, true));
+  ASSERT_EQ(l.size(), 3u);
+  EXPECT_TRUE(l[1].ends_with("  #wrong           timestamp")) << l[1];
+  EXPECT_TRUE(l[2].ends_with("           %Y-%m-%d %H:%M:%S")) << l[2];
+  std::string ts = timestampColumn();
+  EXPECT_EQ(ts.size(), 21u);
+  EXPECT_TRUE(std::regex_match(ts, std::regex(R"(  \d{4}-\d\d-\d\d \d\d:\d\d:\d\d)"))) << ts;
+}
+
+TEST(PerfTable, PerIterationHeader) {
+  std::vector<std::string> l = lines(tableHeader(false, false, true));
+  ASSERT_EQ(l.size(), 3u);
+  EXPECT_NE(l[0].find("out-of-place (+ per-iteration)"), std::string::npos);
+  EXPECT_NE(l[0].find("in-place (+ per-iteration)"), std::string::npos);
+  EXPECT_EQ(l[1],
+            "#       size         count      type   redop    root     time   algbw   busbw  #wrong    i_min  "
+            "  i_max"
+            "    i_p99    i_cv%     time   algbw   busbw  #wrong    i_min    i_max    i_p99    i_cv% ");
+  IterStats s = computeIterStats({4e-6, 1e-6, 3e-6, 2e-6});
+  EXPECT_DOUBLE_EQ(s.min, 1e-6);
+  EXPECT_DOUBLE_EQ(s.max, 4e-6);
+  EXPECT_DOUBLE_EQ(s.p50, 3e-6);  // sorted[n / 2]
+  EXPECT_DOUBLE_EQ(s.p99, 4e-6);  // nearest rank: may equal max with < 100 samples
+  EXPECT_DOUBLE_EQ(s.avg, 2.5e-6);
+  EXPECT_NEAR(s.cvPercent(), std::sqrt(1.25) / 2.5 * 100, 1e-9);
+  EXPECT_EQ(perIterColumns(s), "     1.00     4.00     4.00    44.72");
+  std::vector<double> hundred;
+  for (int i = 1; i <= 100; ++i) hundred.push_back(i);
+  EXPECT_DOUBLE_EQ(computeIterStats(hundred).p99, 99);
+  EXPECT_DOUBLE_EQ(computeIterStats(hundred).p95, 95);
 }
 
 TEST(PerfTable, RowParsesWithNcclTestsRegex) {
   std::string row = rowPrefix(1048576, 262144, "float", "sum", -1) + rowColumns(123.456, 8.5, 12.75, 0) +
                     rowColumns(12345.6, 0.01, 0.02, -1);
-  // The column layout nccl-tests prints: %12li  %12li  %8s  %6s  %6s, then per placement
-  // "  %7s  %6.2f  %6.2f  %5g".
+  // nccl-tests: "%12li  %12li  %8s  %6s  %6s", then per placement "  %7s  %6s  %6s  %6g"
+  // (getFloatStr widths 7, 6, 6), "    N/A" without a check.
   EXPECT_EQ(
       row,
-      "     1048576        262144     float     sum      -1    123.5    8.50   12.75      0    12346    0.01"
+      "     1048576        262144     float     sum      -1   123.46    8.50   12.75       0  12345.6    0.01"
       "    0.02    N/A");
   std::regex re(
       R"(^\s*(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(-?\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s*$)");
@@ -214,10 +382,21 @@ TEST(PerfTable, RowParsesWithNcclTestsRegex) {
   EXPECT_EQ(m[13], "N/A");
 }
 
-TEST(PerfTable, TimeFormatByMagnitude) {
+// nccl-tests' getFloatStr: the most decimals (2, 1, 0) that fit the width, else an exponent.
+TEST(PerfTable, NumbersFitTheirColumns) {
   EXPECT_EQ(formatTime(5.123), "   5.12");
-  EXPECT_EQ(formatTime(150.25), "  150.2");
-  EXPECT_EQ(formatTime(12345.6), "  12346");
+  EXPECT_EQ(formatTime(150.25), " 150.25");
+  EXPECT_EQ(formatTime(12345.6), "12345.6");
+  EXPECT_EQ(formatTime(123456.7), " 123457");
+  EXPECT_EQ(formatTime(12345678.0), "1.2e+07");
+  EXPECT_EQ(formatFloat(123.456, 6), "123.46");
+  EXPECT_EQ(formatFloat(1234.56, 6), "1234.6");
+  EXPECT_EQ(formatFloat(123456.0, 6), "123456");
+  EXPECT_EQ(formatFloat(1234567.0, 6), " 1e+06");
+  EXPECT_EQ(memoryString(512), "512 B");
+  EXPECT_EQ(memoryString(1536), "1.50 KB");
+  EXPECT_EQ(memoryString(int64_t{50} << 20), "50.0 MB");
+  EXPECT_EQ(memoryString(int64_t{3} << 30), "3.00 GB");
   EXPECT_EQ(opDisplayName(ReduceOp::kPreMulSum), "mulsum");
   EXPECT_EQ(opDisplayName(std::nullopt), "none");
 }
