@@ -465,9 +465,47 @@ CrossbarBackend::CrossbarBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   co.name = options_->name.empty() ? "torch" : options_->name;
   co.ranks_per_node = options_->ranks_per_node;
   comm_ = Communicator::create(std::make_shared<TorchStoreAdapter>(store), rank, size, co);
+  startThreads();
+}
+
+CrossbarBackend::CrossbarBackend(std::shared_ptr<Communicator> comm, c10::intrusive_ptr<Options> options)
+    : c10d::Backend(comm->rank(), comm->size()),
+      options_(std::move(options)),
+      comm_(std::move(comm)),
+      timeout_ms_(options_->timeout.count()) {
+  startThreads();
+}
+
+void CrossbarBackend::startThreads() {
   coll_ = std::make_unique<Collectives>(comm_);
   coll_thread_ = std::thread([this] { completionLoop(); });
   p2p_thread_ = std::thread([this] { p2pLoop(); });
+}
+
+c10::intrusive_ptr<c10d::Backend> CrossbarBackend::split(const c10::intrusive_ptr<c10d::Store>& /*store*/,
+                                                         const std::vector<int>& ranks,
+                                                         const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
+  ensureUsable("split_group");
+  std::vector<int> seen;
+  for (int r : ranks) {
+    if (r < 0 || r >= size_ || std::find(seen.begin(), seen.end(), r) != seen.end())
+      throw InvalidArgument(fmt::format("{}split ranks must be distinct ranks of this group (0..{}); got {}",
+                                        errorContext(rank_, "split_group"), size_ - 1, r));
+    seen.push_back(r);
+  }
+  // Groups are disjoint, so their smallest rank names them; the position in `ranks` is
+  // the new rank (torch: "position in the list determines the group rank").
+  auto me = std::find(ranks.begin(), ranks.end(), rank_);
+  const bool member = me != ranks.end();
+  const int color = member ? *std::min_element(ranks.begin(), ranks.end()) : -1;
+  const int key = member ? static_cast<int>(me - ranks.begin()) : 0;
+  std::shared_ptr<Communicator> child = comm_->split(color, key);
+  if (!child) return nullptr;
+  auto child_opts = c10::make_intrusive<Options>(opts ? opts->timeout : options_->timeout);
+  child_opts->ranks_per_node = options_->ranks_per_node;
+  if (auto* ours = dynamic_cast<const Options*>(opts.get())) child_opts->ranks_per_node = ours->ranks_per_node;
+  child_opts->name = child->name();
+  return c10::make_intrusive<CrossbarBackend>(std::move(child), child_opts);
 }
 
 CrossbarBackend::~CrossbarBackend() {
@@ -1189,12 +1227,33 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::recv(std::vector<at::Tensor>& te
       true);
 }
 
-c10::intrusive_ptr<c10d::Work> CrossbarBackend::recvAnysource(std::vector<at::Tensor>& /*tensors*/,
-                                                              int /*tag*/) {
-  throw Unsupported(
-      errorContext(rank_, "recv") +
-      "receiving from any source (recv without src) is not supported by crossbar yet; pass src=, "
-      "or use a gloo group for this receive");
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  checkSingle(tensors, rank_, "recv");
+  if (size_ < 2)
+    throw InvalidUsage(errorContext(rank_, "recv") + "a group of one rank has nobody to receive from");
+  checkP2p(rank_ == 0 ? 1 : 0, size_, rank_, tag, "recv");  // the tag's range
+  at::Tensor t = tensors[0];
+  return submit(
+      c10d::OpType::RECVANYSOURCE, "recv_anysource", tensors, Millis(timeout_ms_.load()),
+      [&](CrossbarWork& w) {
+        std::vector<std::function<void()>> post;
+        at::Tensor dst = outputStage(t, false, post);
+        const size_t bytes = dst.nbytes();
+        auto req = comm_->irecv(dst.data_ptr(), bytes, kAnySource, static_cast<uint32_t>(tag));
+        // torch asks the Work who sent it (Work::sourceRank) once it completed.
+        post.insert(post.begin(), [req, bytes, work = &w, rank = rank_] {
+          const Status& st = req->status();
+          if (st.bytes != bytes)
+            throw InvalidUsage(fmt::format("{}rank {} sent {} bytes, expected {}; do the tensor sizes match?",
+                                           errorContext(rank, "recv"), st.source, st.bytes, bytes),
+                               {st.source});
+          work->source_rank_ = st.source;
+        });
+        w.keepalive = {dst};
+        w.requests.push_back(req);
+        w.post = sequence(std::move(post));
+      },
+      true);
 }
 
 // ---- coalescing: collectives go into one crossbar group; point to point is already

@@ -109,6 +109,8 @@ class CrossbarBackend : public c10d::Backend {
 
   CrossbarBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   c10::intrusive_ptr<Options> options = c10::make_intrusive<Options>());
+  // Over an existing communicator (a split of another backend's).
+  CrossbarBackend(std::shared_ptr<Communicator> comm, c10::intrusive_ptr<Options> options);
   ~CrossbarBackend() override;
 
   const std::string getBackendName() const override { return "crossbar"; }
@@ -161,6 +163,14 @@ class CrossbarBackend : public c10d::Backend {
 
   // Not `override`: these are not declared by every supported torch version.
   bool supportsCoalescing() const { return true; }
+  bool supportsSplitting() const { return true; }
+  // torch.distributed.split_group: collective over every rank of this group (torch calls
+  // it on all of them; non-members pass a group they are not in and get nullptr). The
+  // child is a crossbar Communicator::split of this one (shares its transports); the
+  // store torch passes is not needed.
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<c10d::Backend::Options>& opts);
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   void setTimeout(std::chrono::milliseconds timeout);
@@ -177,6 +187,7 @@ class CrossbarBackend : public c10d::Backend {
                                         bool p2p = false);
   Millis timeoutOf(std::chrono::milliseconds requested) const;
   void ensureUsable(const char* op) const;
+  void startThreads();
   void completionLoop();
   void p2pLoop();
   void stopThreads();

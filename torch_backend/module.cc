@@ -75,6 +75,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("ranks_per_node") = -1, py::arg("name") = "", py::call_guard<py::gil_scoped_release>(),
            "Collective: every rank of the group constructs one (rendezvous through `store`).")
       .def_property_readonly("supports_coalescing", [](const CrossbarBackend&) { return true; })
+      .def_property_readonly("supports_splitting", [](const CrossbarBackend&) { return true; })
+      // new_group() on a device-bound default group asks non-members of the new group
+      // to take part in a split; crossbar's new_group builds a fresh communicator
+      // instead (members only), so there is nothing to do.
+      .def("perform_nocolor_split", [](const CrossbarBackend&, const py::object& /*device*/) {})
       .def("describe", [](const CrossbarBackend& b) { return b.communicator().describe(); })
       .def("abort", &CrossbarBackend::abort, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &CrossbarBackend::shutdown, py::call_guard<py::gil_scoped_release>())
