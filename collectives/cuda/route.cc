@@ -1,14 +1,14 @@
 #include "collectives/cuda/route.h"
 
+#include <dlfcn.h>
 #include <fmt/format.h>
+
+#include <atomic>
 
 #include "comm/errors.h"
 
 #if defined(CROSSBAR_HAVE_CUDA_COLLECTIVES)
 #include <cuda_runtime_api.h>
-#include <dlfcn.h>
-
-#include <atomic>
 
 #include "collectives/cuda/cuda_collectives.h"
 #include "symmem/cuda/driver_api.h"
@@ -97,20 +97,41 @@ WorkPtr routeToCuda(std::shared_ptr<CudaRoute>& state, const std::shared_ptr<Com
   throw InternalError(errorContext(comm->rank(), name) + "unknown collective");
 }
 
-#else  // no CUDA in this build: device pointers cannot be recognized, cuda_stream is refused
+#else  // no CUDA in this build: device pointers are recognized through the driver, then refused
 
 class CudaRoute {};
 
-MemoryKind pointerMemoryKind(const void*) {
-  return MemoryKind::kHost;
+// A process holding device memory has loaded libcuda (e.g. torch built with CUDA): ask
+// the driver directly, without CUDA headers, so such pointers get a clear error instead
+// of a crash in the host algorithms.
+MemoryKind pointerMemoryKind(const void* ptr) {
+  using GetAttribute = int (*)(void* data, int attribute, unsigned long long ptr);
+  constexpr int kMemoryTypeAttribute = 2;  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+  constexpr unsigned kDeviceMemory = 2;    // CU_MEMORYTYPE_DEVICE
+  static std::atomic<GetAttribute> get{nullptr};
+  if (!ptr) return MemoryKind::kHost;
+  GetAttribute f = get.load(std::memory_order_acquire);
+  if (!f) {
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);  // kept open: f stays valid
+    if (!h) return MemoryKind::kHost;
+    f = reinterpret_cast<GetAttribute>(dlsym(h, "cuPointerGetAttribute"));
+    if (!f) return MemoryKind::kHost;
+    get.store(f, std::memory_order_release);
+  }
+  unsigned type = 0;
+  if (f(&type, kMemoryTypeAttribute, reinterpret_cast<unsigned long long>(ptr)) != 0) return MemoryKind::kHost;
+  return type == kDeviceMemory ? MemoryKind::kCuda : MemoryKind::kHost;
 }
 
 WorkPtr routeToCuda(std::shared_ptr<CudaRoute>&, const std::shared_ptr<Communicator>& comm, const CollArgs& a,
                     const CollOptions& o, bool) {
-  if (!o.cuda_stream) return nullptr;
+  const bool device = pointerMemoryKind(a.send) == MemoryKind::kCuda ||
+                      pointerMemoryKind(a.recv) == MemoryKind::kCuda;
+  if (!o.cuda_stream && !device) return nullptr;
   throw Unsupported(errorContext(comm->rank(), collTypeName(a.coll)) +
-                    "CollOptions.cuda_stream is set but this crossbar was built without CUDA "
-                    "(CROSSBAR_WITH_CUDA=OFF or no toolkit); rebuild with CUDA for device memory");
+                    (device ? "a buffer is CUDA device memory" : "CollOptions.cuda_stream is set") +
+                    " but this crossbar was built without CUDA (CROSSBAR_WITH_CUDA=OFF or no toolkit); "
+                    "rebuild with CUDA for device memory, or pass host buffers");
 }
 
 #endif

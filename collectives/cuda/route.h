@@ -1,7 +1,7 @@
 // Front-end hook of the host Collectives (collectives.cc): calls whose buffers are CUDA
 // device memory, or that carry CollOptions::cuda_stream, run on CudaCollectives
 // (stream-ordered); everything else stays on the host path. Builds without CUDA keep
-// the host behavior and refuse cuda_stream with Unsupported.
+// the host behavior and refuse device pointers and cuda_stream with Unsupported.
 #pragma once
 
 #include <memory>
@@ -19,8 +19,9 @@ class CudaRoute;  // per Collectives: its lazily created CudaCollectives
 WorkPtr routeToCuda(std::shared_ptr<CudaRoute>& state, const std::shared_ptr<Communicator>& comm,
                     const CollArgs& args, const CollOptions& options, bool in_group);
 
-// kCuda when `ptr` is CUDA device memory. kHost without a CUDA build, without a
-// driver, or before this process loaded the driver (no device memory can exist then).
+// kCuda when `ptr` is CUDA device memory. kHost without a driver, or before this
+// process loaded the driver (no device memory can exist then). Builds without CUDA ask
+// the driver through dlsym when libcuda is loaded.
 MemoryKind pointerMemoryKind(const void* ptr);
 
 }  // namespace crossbar
