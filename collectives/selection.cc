@@ -183,7 +183,8 @@ const std::deque<Algorithm>& cudaAlgorithms() {
       a.applies = heap ? cudaHeapApplies : alwaysApplies;
       v->push_back(std::move(a));
     };
-    add(CollType::kAllreduce, "oneshot", "[cuda] kernel reads every peer's staged buffer, one barrier round", true);
+    add(CollType::kAllreduce, "oneshot", "[cuda] kernel reads every peer's staged buffer, one barrier round",
+        true);
     add(CollType::kAllreduce, "twoshot", "[cuda] kernel reduce-scatter into peers' staging, copy-out", true);
     add(CollType::kReduceScatter, "direct", "[cuda] kernel reduces this rank's block from every peer", true);
     add(CollType::kReduce, "direct", "[cuda] root's kernel reduces every peer's staged buffer", true);

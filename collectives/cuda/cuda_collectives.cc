@@ -193,7 +193,9 @@ class CudaWork final : public Work {
 struct Region {
   symm::SymmetricBuffer* buf = nullptr;
   size_t offset = 0;
-  const char* at(int rank, size_t byte_offset = 0) const { return buf->peer<char>(rank, offset + byte_offset); }
+  const char* at(int rank, size_t byte_offset = 0) const {
+    return buf->peer<char>(rank, offset + byte_offset);
+  }
 };
 
 }  // namespace
@@ -286,7 +288,8 @@ CudaCollectives::CudaCollectives(std::shared_ptr<Communicator> comm, CudaCollect
   if (!options.symmetric_heap) {
     x.heap_reason = "disabled by CudaCollectivesOptions::symmetric_heap";
   } else if (comm->numNodes() != 1) {
-    x.heap_reason = fmt::format("{} nodes (peers' GPU memory is only mapped within a node)", comm->numNodes());
+    x.heap_reason =
+        fmt::format("{} nodes (peers' GPU memory is only mapped within a node)", comm->numNodes());
   } else if (comm->size() > cuda::kMaxLocalRanks) {
     x.heap_reason = fmt::format("{} ranks (at most {} on the heap)", comm->size(), cuda::kMaxLocalRanks);
   }
@@ -370,8 +373,9 @@ void CudaCollectives::Impl::ensureStage(size_t bytes, Deadline deadline) {
     if (e == cudaSuccess) break;
     if (e != cudaErrorNotReady) cuda::checkCuda(e, "growing the staging: cudaStreamQuery", device);
     if (deadline.expired())
-      throw Timeout(ctx("staging") + "earlier operations did not complete on the GPU before the deadline "
-                                     "(a peer missing?); cannot grow the staging buffer");
+      throw Timeout(ctx("staging") +
+                    "earlier operations did not complete on the GPU before the deadline "
+                    "(a peer missing?); cannot grow the staging buffer");
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   ctl->barrier(deadline);
@@ -539,7 +543,8 @@ void CudaCollectives::Impl::allgatherHeap(const CollArgs& a) {
   barrier();
   std::vector<cuda::CopyOp> ops;
   for (int r = 0; r < n; ++r)
-    ops.push_back({r == me ? a.send : in.at(r), recv + r * blk, r == me && a.send == recv + me * blk ? 0 : blk});
+    ops.push_back(
+        {r == me ? a.send : in.at(r), recv + r * blk, r == me && a.send == recv + me * blk ? 0 : blk});
   copies(ops);
   barrier();
 }
@@ -643,7 +648,8 @@ void CudaCollectives::Impl::gatherHeap(const CollArgs& a) {
     char* recv = static_cast<char*>(a.recv);
     std::vector<cuda::CopyOp> ops;
     for (int r = 0; r < n; ++r)
-      ops.push_back({r == me ? a.send : in.at(r), recv + r * blk, r == me && a.send == recv + me * blk ? 0 : blk});
+      ops.push_back(
+          {r == me ? a.send : in.at(r), recv + r * blk, r == me && a.send == recv + me * blk ? 0 : blk});
     copies(ops);
   }
   barrier();
@@ -735,7 +741,8 @@ void CudaCollectives::Impl::runNccl(const CollArgs& a, const std::string& desc) 
             std::memcpy(scalar, &v, sizeof v);
           }
         });
-        check(ncclRedOpCreatePreMulSum(&op, scalar, t, ncclScalarHostImmediate, nc), "ncclRedOpCreatePreMulSum");
+        check(ncclRedOpCreatePreMulSum(&op, scalar, t, ncclScalarHostImmediate, nc),
+              "ncclRedOpCreatePreMulSum");
         created = true;
         break;
       }
@@ -778,8 +785,7 @@ void CudaCollectives::Impl::runNccl(const CollArgs& a, const std::string& desc) 
       break;
     }
     case CollType::kBarrier:
-      if (!nccl_scratch)
-        cuda::checkCuda(cudaMalloc(&nccl_scratch, 256), "NCCL barrier: cudaMalloc", device);
+      if (!nccl_scratch) cuda::checkCuda(cudaMalloc(&nccl_scratch, 256), "NCCL barrier: cudaMalloc", device);
       check(ncclAllReduce(nccl_scratch, nccl_scratch, 1, ncclFloat32, ncclSum, nc, stream), "ncclAllReduce");
       break;
     case CollType::kSend:
@@ -841,9 +847,10 @@ WorkPtr CudaCollectives::Impl::run(CollArgs a, cudaStream_t user, const CollOpti
   const char* name = collTypeName(a.coll);
   validateCollArgs(a, *comm);
   if (!sticky.empty())
-    throw InvalidUsage(ctx(name) + "not run: an earlier operation failed while being enqueued, so the peers' "
-                                   "state is unknown; abort the communicator and create a new one. First "
-                                   "error: " +
+    throw InvalidUsage(ctx(name) +
+                       "not run: an earlier operation failed while being enqueued, so the peers' "
+                       "state is unknown; abort the communicator and create a new one. First "
+                       "error: " +
                        sticky);
   Selection s = selectAlgorithm(a, *comm, o.algorithm, env_override, MemoryKind::kCuda);
   const Algorithm* algo = s.algorithm;
@@ -879,8 +886,9 @@ WorkPtr CudaCollectives::Impl::run(CollArgs a, cudaStream_t user, const CollOpti
     } else {
       w = std::make_shared<CudaWork>(desc, rank(), device, nullptr);
     }
-    cuda::checkCuda(cudaEventRecord(join, user), fmt::format("{}: cudaEventRecord on the caller's stream", desc),
-                    device, "the stream must belong to this CudaCollectives' device");
+    cuda::checkCuda(cudaEventRecord(join, user),
+                    fmt::format("{}: cudaEventRecord on the caller's stream", desc), device,
+                    "the stream must belong to this CudaCollectives' device");
     cuda::checkCuda(cudaStreamWaitEvent(stream, join, 0), "cudaStreamWaitEvent", device);
     const bool empty = a.coll != CollType::kBarrier && a.coll != CollType::kAlltoallv &&
                        a.coll != CollType::kSend && a.coll != CollType::kRecv && a.count == 0;
@@ -916,8 +924,8 @@ WorkPtr CudaCollectives::allreduce(const void* send, void* recv, size_t count, D
   return impl_->run(std::move(a), stream, o);
 }
 
-WorkPtr CudaCollectives::allgather(const void* send, void* recv, size_t count, DataType type, cudaStream_t stream,
-                                   const CollOptions& o) {
+WorkPtr CudaCollectives::allgather(const void* send, void* recv, size_t count, DataType type,
+                                   cudaStream_t stream, const CollOptions& o) {
   return impl_->run(base(CollType::kAllgather, send, recv, count, type), stream, o);
 }
 
@@ -936,8 +944,8 @@ WorkPtr CudaCollectives::broadcast(void* buffer, size_t count, DataType type, in
   return impl_->run(std::move(a), stream, o);
 }
 
-WorkPtr CudaCollectives::reduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op, int root,
-                                cudaStream_t stream, const CollOptions& o) {
+WorkPtr CudaCollectives::reduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
+                                int root, cudaStream_t stream, const CollOptions& o) {
   CollArgs a = base(CollType::kReduce, send, recv, count, type);
   a.op = op;
   a.root = root;
@@ -945,15 +953,16 @@ WorkPtr CudaCollectives::reduce(const void* send, void* recv, size_t count, Data
   return impl_->run(std::move(a), stream, o);
 }
 
-WorkPtr CudaCollectives::alltoall(const void* send, void* recv, size_t count, DataType type, cudaStream_t stream,
-                                  const CollOptions& o) {
+WorkPtr CudaCollectives::alltoall(const void* send, void* recv, size_t count, DataType type,
+                                  cudaStream_t stream, const CollOptions& o) {
   return impl_->run(base(CollType::kAlltoall, send, recv, count, type), stream, o);
 }
 
 WorkPtr CudaCollectives::alltoallv(const void* send, const std::vector<size_t>& send_counts,
                                    const std::vector<size_t>& send_displs, void* recv,
-                                   const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_displs,
-                                   DataType type, cudaStream_t stream, const CollOptions& o) {
+                                   const std::vector<size_t>& recv_counts,
+                                   const std::vector<size_t>& recv_displs, DataType type, cudaStream_t stream,
+                                   const CollOptions& o) {
   CollArgs a = base(CollType::kAlltoallv, send, recv, 0, type);
   a.send_counts = send_counts;
   a.send_displs = send_displs;
@@ -988,8 +997,8 @@ WorkPtr CudaCollectives::send(const void* data, size_t count, DataType type, int
   return impl_->run(std::move(a), stream, o);
 }
 
-WorkPtr CudaCollectives::recv(void* data, size_t count, DataType type, int peer, uint32_t tag, cudaStream_t stream,
-                              const CollOptions& o) {
+WorkPtr CudaCollectives::recv(void* data, size_t count, DataType type, int peer, uint32_t tag,
+                              cudaStream_t stream, const CollOptions& o) {
   CollArgs a = base(CollType::kRecv, nullptr, data, count, type);
   a.peer = peer;
   a.tag = tag;

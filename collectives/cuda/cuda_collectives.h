@@ -61,11 +61,11 @@
 namespace crossbar {
 
 struct CudaCollectivesOptions {
-  int device = -1;                  // CUDA device of this rank; -1: the current device
-  bool symmetric_heap = true;       // false: never use the heap algorithms (NCCL only)
-  bool nccl_cta_policy_zero = true; // NCCL communicator with NCCL_CTA_POLICY_ZERO
-  size_t initial_staging_bytes = 0; // staging per rank allocated up front (0: on first use)
-  Millis timeout{0};                // default Work deadline; 0: the communicator's timeout
+  int device = -1;                   // CUDA device of this rank; -1: the current device
+  bool symmetric_heap = true;        // false: never use the heap algorithms (NCCL only)
+  bool nccl_cta_policy_zero = true;  // NCCL communicator with NCCL_CTA_POLICY_ZERO
+  size_t initial_staging_bytes = 0;  // staging per rank allocated up front (0: on first use)
+  Millis timeout{0};                 // default Work deadline; 0: the communicator's timeout
 };
 
 class CudaCollectives {

@@ -1,8 +1,7 @@
-#include "collectives/cuda/reduce_kernels.h"
-
 #include <algorithm>
 #include <string>
 
+#include "collectives/cuda/reduce_kernels.h"
 #include "collectives/reduce.h"
 #include "comm/errors.h"
 #include "symmem/cuda/driver_api.h"
@@ -51,8 +50,8 @@ void launchReduce(const ReduceLaunch& l, cudaStream_t stream, int device) {
         p, l.num_inputs, l.num_outputs, l.count, static_cast<AccumT<T>>(l.premul_scalar), count);
   });
   cuda::checkCuda(cudaGetLastError(),
-                  "launchReduce: reduce kernel (" + std::to_string(l.count) + " x " + dataTypeName(l.type) + " " +
-                      reduceOpName(l.op) + ", " + std::to_string(l.num_inputs) + " inputs, " +
+                  "launchReduce: reduce kernel (" + std::to_string(l.count) + " x " + dataTypeName(l.type) +
+                      " " + reduceOpName(l.op) + ", " + std::to_string(l.num_inputs) + " inputs, " +
                       std::to_string(blocks) + " blocks)",
                   device, "the stream must belong to the current device");
 }

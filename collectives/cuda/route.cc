@@ -52,8 +52,8 @@ MemoryKind pointerMemoryKind(const void* ptr) {
 
 WorkPtr routeToCuda(std::shared_ptr<CudaRoute>& state, const std::shared_ptr<Communicator>& comm,
                     const CollArgs& a, const CollOptions& o, bool in_group) {
-  const bool device = pointerMemoryKind(a.send) == MemoryKind::kCuda ||
-                      pointerMemoryKind(a.recv) == MemoryKind::kCuda;
+  const bool device =
+      pointerMemoryKind(a.send) == MemoryKind::kCuda || pointerMemoryKind(a.recv) == MemoryKind::kCuda;
   if (!device && !o.cuda_stream) return nullptr;
   const char* name = collTypeName(a.coll);
   if (!cuda::driverAvailable())
@@ -119,14 +119,15 @@ MemoryKind pointerMemoryKind(const void* ptr) {
     get.store(f, std::memory_order_release);
   }
   unsigned type = 0;
-  if (f(&type, kMemoryTypeAttribute, reinterpret_cast<unsigned long long>(ptr)) != 0) return MemoryKind::kHost;
+  if (f(&type, kMemoryTypeAttribute, reinterpret_cast<unsigned long long>(ptr)) != 0)
+    return MemoryKind::kHost;
   return type == kDeviceMemory ? MemoryKind::kCuda : MemoryKind::kHost;
 }
 
 WorkPtr routeToCuda(std::shared_ptr<CudaRoute>&, const std::shared_ptr<Communicator>& comm, const CollArgs& a,
                     const CollOptions& o, bool) {
-  const bool device = pointerMemoryKind(a.send) == MemoryKind::kCuda ||
-                      pointerMemoryKind(a.recv) == MemoryKind::kCuda;
+  const bool device =
+      pointerMemoryKind(a.send) == MemoryKind::kCuda || pointerMemoryKind(a.recv) == MemoryKind::kCuda;
   if (!o.cuda_stream && !device) return nullptr;
   throw Unsupported(errorContext(comm->rank(), collTypeName(a.coll)) +
                     (device ? "a buffer is CUDA device memory" : "CollOptions.cuda_stream is set") +

@@ -45,8 +45,8 @@ std::string pick(const CollArgs& a, const Communicator& c, const std::string& fo
 TEST(CudaSelection, OneNodeUsesTheHeapAlgorithms) {
   runRanks(2, [](RankEnv& env) {
     auto comm = env.communicator();
-    EXPECT_EQ(pick(args(CollType::kAllreduce, 1024), *comm), "oneshot");           // 4 KiB
-    EXPECT_EQ(pick(args(CollType::kAllreduce, 1 << 20), *comm), "twoshot");        // 4 MiB
+    EXPECT_EQ(pick(args(CollType::kAllreduce, 1024), *comm), "oneshot");     // 4 KiB
+    EXPECT_EQ(pick(args(CollType::kAllreduce, 1 << 20), *comm), "twoshot");  // 4 MiB
     EXPECT_EQ(pick(args(CollType::kReduceScatter, 1 << 20), *comm), "direct");
     EXPECT_EQ(pick(args(CollType::kReduce, 7), *comm), "direct");
     for (CollType c : {CollType::kAllgather, CollType::kAlltoall, CollType::kAlltoallv, CollType::kBroadcast,
@@ -75,7 +75,8 @@ TEST(CudaSelection, SeveralNodesFallBackToNccl) {
           EXPECT_EQ(pick(a, *comm), "nccl") << collTypeName(a.coll);
         }
         // Forcing a heap algorithm that does not apply falls back, saying why.
-        Selection s = selectAlgorithm(args(CollType::kAllreduce, 64), *comm, "oneshot", {}, MemoryKind::kCuda);
+        Selection s =
+            selectAlgorithm(args(CollType::kAllreduce, 64), *comm, "oneshot", {}, MemoryKind::kCuda);
         EXPECT_EQ(s.algorithm->name, "nccl");
         EXPECT_NE(s.reason.find("does not apply"), std::string::npos) << s.reason;
         EXPECT_NE(s.reason.find("2 nodes"), std::string::npos) << s.reason;

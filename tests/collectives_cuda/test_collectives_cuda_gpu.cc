@@ -68,7 +68,8 @@ void encodeOne(DataType t, double x, uint8_t* p) {
 // Input of `rank` at element i (salt separates calls): multiples of 1/4 in [-2, 2] for
 // floats (exact in fp8 e4m3), small integers otherwise.
 double inputValue(DataType t, int rank, size_t i, int salt) {
-  const long k = static_cast<long>((i * 7 + static_cast<size_t>(rank) * 13 + static_cast<size_t>(salt) * 5) % 17) - 8;
+  const long k =
+      static_cast<long>((i * 7 + static_cast<size_t>(rank) * 13 + static_cast<size_t>(salt) * 5) % 17) - 8;
   return isFloating(t) ? k * 0.25 : static_cast<double>(k * 3 + rank);
 }
 
@@ -155,8 +156,7 @@ void upload(void* dev, const std::vector<uint8_t>& b) {
 class CudaCollGpu : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!gpucheck::gpuUnavailableReason().empty())
-      GTEST_SKIP() << gpucheck::gpuUnavailableReason();
+    if (!gpucheck::gpuUnavailableReason().empty()) GTEST_SKIP() << gpucheck::gpuUnavailableReason();
   }
 };
 
@@ -198,9 +198,10 @@ void reductions(RankEnv& env, bool full) {
             WorkPtr w = cc.allreduce(in.p, dst, count, t, op, s, o);
             EXPECT_NE(w->description().find(algo), std::string::npos) << w->description();
             w->wait(kWait());
-            expectDevice(dst, t, count, [&](size_t i) { return reference(t, op, n, i, salt); },
-                         fmt::format("allreduce {} {} {} n={} inplace={}", algo, dataTypeName(t),
-                                     reduceOpName(op), count, inplace));
+            expectDevice(
+                dst, t, count, [&](size_t i) { return reference(t, op, n, i, salt); },
+                fmt::format("allreduce {} {} {} n={} inplace={}", algo, dataTypeName(t), reduceOpName(op),
+                            count, inplace));
           }
           // reduce_scatter: rank r's block of the reduction of everyone's full buffers
           {
@@ -209,9 +210,10 @@ void reductions(RankEnv& env, bool full) {
             upload(in.p, encodeInput(t, me, count * n, salt));
             void* dst = inplace ? in.c() + me * blk : out.p;
             cc.reduceScatter(in.p, dst, count, t, op, s)->wait(kWait());
-            expectDevice(dst, t, count, [&](size_t i) { return reference(t, op, n, i, salt, me * count); },
-                         fmt::format("reduce_scatter {} {} n={} inplace={}", dataTypeName(t), reduceOpName(op),
-                                     count, inplace));
+            expectDevice(
+                dst, t, count, [&](size_t i) { return reference(t, op, n, i, salt, me * count); },
+                fmt::format("reduce_scatter {} {} n={} inplace={}", dataTypeName(t), reduceOpName(op), count,
+                            inplace));
           }
           // reduce to the last rank
           {
@@ -222,9 +224,10 @@ void reductions(RankEnv& env, bool full) {
             void* dst = inplace ? in.p : out.p;
             cc.reduce(in.p, dst, count, t, op, root, s)->wait(kWait());
             if (me == root)
-              expectDevice(dst, t, count, [&](size_t i) { return reference(t, op, n, i, salt); },
-                           fmt::format("reduce {} {} n={} inplace={}", dataTypeName(t), reduceOpName(op), count,
-                                       inplace));
+              expectDevice(
+                  dst, t, count, [&](size_t i) { return reference(t, op, n, i, salt); },
+                  fmt::format("reduce {} {} n={} inplace={}", dataTypeName(t), reduceOpName(op), count,
+                              inplace));
           }
         }
   // A few MiB: the staging grows (collectively) and the kernels cover many blocks.
@@ -237,8 +240,9 @@ void reductions(RankEnv& env, bool full) {
       CollOptions o;
       o.algorithm = algo;
       cc.allreduce(in.p, out.p, count, t, ReduceOp::kSum, s, o)->wait(kWait());
-      expectDevice(out.p, t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, n, i, salt); },
-                   fmt::format("allreduce {} {} {} MiB", algo, dataTypeName(t), 3));
+      expectDevice(
+          out.p, t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, n, i, salt); },
+          fmt::format("allreduce {} {} {} MiB", algo, dataTypeName(t), 3));
     }
   CUDA_OK(cudaStreamDestroy(s));
 }
@@ -263,8 +267,12 @@ void copies(RankEnv& env) {
         void* src = inplace ? out.c() + me * blk : in.p;
         upload(src, encodeInput(t, me, count, salt));
         cc.allgather(src, out.p, count, t, s)->wait(kWait());
-        expectDevice(out.p, t, count * n, [&](size_t i) { return inputValue(t, int(i / std::max<size_t>(count, 1)), i % std::max<size_t>(count, 1), salt); },
-                     "allgather " + tag);
+        expectDevice(
+            out.p, t, count * n,
+            [&](size_t i) {
+              return inputValue(t, int(i / std::max<size_t>(count, 1)), i % std::max<size_t>(count, 1), salt);
+            },
+            "allgather " + tag);
       }
       {  // alltoall: block r of rank q's send = values of (q, offset r*count)
         ++salt;
@@ -272,10 +280,13 @@ void copies(RankEnv& env) {
         upload(in.p, encodeInput(t, me, count * n, salt));
         void* dst = inplace ? in.p : out.p;
         cc.alltoall(in.p, dst, count, t, s)->wait(kWait());
-        expectDevice(dst, t, count * n, [&](size_t i) {
-          const size_t c = std::max<size_t>(count, 1);
-          return inputValue(t, int(i / c), me * count + i % c, salt);
-        }, "alltoall " + tag);
+        expectDevice(
+            dst, t, count * n,
+            [&](size_t i) {
+              const size_t c = std::max<size_t>(count, 1);
+              return inputValue(t, int(i / c), me * count + i % c, salt);
+            },
+            "alltoall " + tag);
       }
       {  // broadcast from rank 1 % n
         ++salt;
@@ -283,7 +294,8 @@ void copies(RankEnv& env) {
         DevBuf buf(blk);
         upload(buf.p, encodeInput(t, me == root ? root : me + 50, count, salt));
         cc.broadcast(buf.p, count, t, root, s)->wait(kWait());
-        expectDevice(buf.p, t, count, [&](size_t i) { return inputValue(t, root, i, salt); }, "broadcast " + tag);
+        expectDevice(
+            buf.p, t, count, [&](size_t i) { return inputValue(t, root, i, salt); }, "broadcast " + tag);
       }
       {  // gather to rank 0, scatter from rank n-1
         ++salt;
@@ -292,18 +304,22 @@ void copies(RankEnv& env) {
         upload(src, encodeInput(t, me, count, salt));
         cc.gather(src, out.p, count, 0, t, s)->wait(kWait());
         if (me == 0)
-          expectDevice(out.p, t, count * n, [&](size_t i) {
-            const size_t c = std::max<size_t>(count, 1);
-            return inputValue(t, int(i / c), i % c, salt);
-          }, "gather " + tag);
+          expectDevice(
+              out.p, t, count * n,
+              [&](size_t i) {
+                const size_t c = std::max<size_t>(count, 1);
+                return inputValue(t, int(i / c), i % c, salt);
+              },
+              "gather " + tag);
         ++salt;
         const int root = n - 1;
         DevBuf sin(blk * n), sout(blk);
         if (me == root) upload(sin.p, encodeInput(t, root, count * n, salt));
         void* dst = inplace && me == root ? sin.c() + root * blk : sout.p;
         cc.scatter(sin.p, dst, count, root, t, s)->wait(kWait());
-        expectDevice(dst, t, count, [&](size_t i) { return inputValue(t, root, me * count + i, salt); },
-                     "scatter " + tag);
+        expectDevice(
+            dst, t, count, [&](size_t i) { return inputValue(t, root, me * count + i, salt); },
+            "scatter " + tag);
       }
     }
   {  // alltoallv: rank q sends (q + r) % 3 + r elements to rank r, packed in rank order
@@ -324,8 +340,9 @@ void copies(RankEnv& env) {
     for (int r = 0; r < n; ++r) {
       size_t their_displ = 0;  // rank r's displacement of its block to me
       for (int q = 0; q < me; ++q) their_displ += (r + q) % 3 + q;
-      expectDevice(out.c() + rd[r] * 4, t, rc[r], [&](size_t i) { return inputValue(t, r, their_displ + i, salt); },
-                   fmt::format("alltoallv block from {}", r));
+      expectDevice(
+          out.c() + rd[r] * 4, t, rc[r], [&](size_t i) { return inputValue(t, r, their_displ + i, salt); },
+          fmt::format("alltoallv block from {}", r));
     }
   }
   cc.barrier(s)->wait(kWait());
@@ -375,13 +392,16 @@ void pipelineAndSymmetric(RankEnv& env) {
     const int salt = 1000 + k;
     const std::string what = fmt::format("back-to-back op {}", k);
     if (k % 4 < 2)
-      expectDevice(outs[k]->p, t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, n, i, salt); }, what);
+      expectDevice(
+          outs[k]->p, t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, n, i, salt); }, what);
     else if (k % 4 == 2)
-      expectDevice(outs[k]->p, t, count * n, [&](size_t i) { return inputValue(t, int(i / count), i % count, salt); },
-                   what);
+      expectDevice(
+          outs[k]->p, t, count * n, [&](size_t i) { return inputValue(t, int(i / count), i % count, salt); },
+          what);
     else
-      expectDevice(outs[k]->p, t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, n, i, salt, me * count); },
-                   what);
+      expectDevice(
+          outs[k]->p, t, count,
+          [&](size_t i) { return reference(t, ReduceOp::kSum, n, i, salt, me * count); }, what);
   }
   // Symmetric buffers: inputs used in place (no staging copy), in-place outputs too.
   auto sym = cc.allocateSymmetric(count * 4 * n);
@@ -391,20 +411,24 @@ void pipelineAndSymmetric(RankEnv& env) {
     CollOptions o;
     o.algorithm = algo;
     cc.allreduce(sym->localPtr(), sym->localPtr(), count, t, ReduceOp::kSum, s, o)->wait(kWait());
-    expectDevice(sym->localPtr(), t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, n, i, salt); },
-                 fmt::format("symmetric in-place allreduce {}", algo));
+    expectDevice(
+        sym->localPtr(), t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, n, i, salt); },
+        fmt::format("symmetric in-place allreduce {}", algo));
   }
   {
     const int salt = 2001;
     upload(sym->localPtr(), encodeInput(t, me, count * n, salt));
     cc.alltoall(sym->localPtr(), sym->localPtr(), count, t, s)->wait(kWait());
-    expectDevice(sym->localPtr(), t, count * n, [&](size_t i) { return inputValue(t, int(i / count), me * count + i % count, salt); },
-                 "symmetric in-place alltoall");
+    expectDevice(
+        sym->localPtr(), t, count * n,
+        [&](size_t i) { return inputValue(t, int(i / count), me * count + i % count, salt); },
+        "symmetric in-place alltoall");
     DevBuf out(count * 4 * n);
     upload(sym->localPtr(), encodeInput(t, me, count, salt));
     cc.allgather(sym->localPtr(), out.p, count, t, s)->wait(kWait());
-    expectDevice(out.p, t, count * n, [&](size_t i) { return inputValue(t, int(i / count), i % count, salt); },
-                 "allgather from a symmetric buffer");
+    expectDevice(
+        out.p, t, count * n, [&](size_t i) { return inputValue(t, int(i / count), i % count, salt); },
+        "allgather from a symmetric buffer");
   }
   // The host front end routes device pointers to the CUDA path (on the caller's stream).
   {
@@ -416,8 +440,9 @@ void pipelineAndSymmetric(RankEnv& env) {
     WorkPtr w = host.allreduce(in.p, out.p, count, t, ReduceOp::kSum, o);
     EXPECT_NE(w->description().find("cuda"), std::string::npos) << w->description();
     w->wait(kWait());
-    expectDevice(out.p, t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, n, i, 3000); },
-                 "host Collectives with device pointers");
+    expectDevice(
+        out.p, t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, n, i, 3000); },
+        "host Collectives with device pointers");
   }
   sym.reset();
   CUDA_OK(cudaStreamDestroy(s));
@@ -458,11 +483,13 @@ TEST_F(CudaCollGpu, NcclSingleRank) {
       WorkPtr w = cc.allreduce(in.p, out.p, count, t, ReduceOp::kSum, s);
       EXPECT_NE(w->description().find("nccl"), std::string::npos) << w->description();
       w->wait(kWait());
-      expectDevice(out.p, t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, 1, i, 7); },
-                   std::string("nccl allreduce ") + dataTypeName(t));
+      expectDevice(
+          out.p, t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, 1, i, 7); },
+          std::string("nccl allreduce ") + dataTypeName(t));
       cc.allgather(in.p, out.p, count, t, s)->wait(kWait());
-      expectDevice(out.p, t, count, [&](size_t i) { return inputValue(t, 0, i, 7); },
-                   std::string("nccl allgather ") + dataTypeName(t));
+      expectDevice(
+          out.p, t, count, [&](size_t i) { return inputValue(t, 0, i, 7); },
+          std::string("nccl allgather ") + dataTypeName(t));
     }
     EXPECT_TRUE(cc.ncclCreated());
     const DataType t = DataType::kFloat32;
@@ -471,12 +498,15 @@ TEST_F(CudaCollGpu, NcclSingleRank) {
     CollOptions pm;
     pm.premul_scalar = 2.0;
     cc.allreduce(in.p, out.p, count, t, ReduceOp::kPreMulSum, s, pm)->wait(kWait());
-    expectDevice(out.p, t, count, [&](size_t i) { return 2.0 * inputValue(t, 0, i, 8); }, "nccl premulsum");
+    expectDevice(
+        out.p, t, count, [&](size_t i) { return 2.0 * inputValue(t, 0, i, 8); }, "nccl premulsum");
     cc.alltoallv(in.p, {5}, {2}, out.p, {5}, {0}, t, s)->wait(kWait());
-    expectDevice(out.p, t, 5, [&](size_t i) { return inputValue(t, 0, i + 2, 8); }, "nccl alltoallv");
+    expectDevice(
+        out.p, t, 5, [&](size_t i) { return inputValue(t, 0, i + 2, 8); }, "nccl alltoallv");
     cc.broadcast(in.p, count, t, 0, s)->wait(kWait());
     cc.reduceScatter(in.p, out.p, count, t, ReduceOp::kMax, s)->wait(kWait());
-    expectDevice(out.p, t, count, [&](size_t i) { return inputValue(t, 0, i, 8); }, "nccl reduce_scatter");
+    expectDevice(
+        out.p, t, count, [&](size_t i) { return inputValue(t, 0, i, 8); }, "nccl reduce_scatter");
     cc.barrier(s)->wait(kWait());
     CUDA_OK(cudaStreamDestroy(s));
 
@@ -490,8 +520,9 @@ TEST_F(CudaCollGpu, NcclSingleRank) {
     auto sym = cc2.allocateSymmetric(count * 4);
     upload(sym->localPtr(), encodeInput(t, 0, count, 9));
     cc2.allreduce(sym->localPtr(), sym->localPtr(), count, t, ReduceOp::kSum, s2, o)->wait(kWait());
-    expectDevice(sym->localPtr(), t, count, [&](size_t i) { return inputValue(t, 0, i, 9); },
-                 "nccl allreduce on a window");
+    expectDevice(
+        sym->localPtr(), t, count, [&](size_t i) { return inputValue(t, 0, i, 9); },
+        "nccl allreduce on a window");
     sym.reset();
     CUDA_OK(cudaStreamDestroy(s2));
   });
@@ -514,15 +545,17 @@ TEST_F(CudaCollGpu, NcclTwoRanksOnOneGpuFailsClearly) {
     o.algorithm = "nccl";
     try {
       cc.allreduce(in.p, out.p, 16, DataType::kFloat32, ReduceOp::kSum, s, o)->wait(kWait());
-      expectDevice(out.p, DataType::kFloat32, 16,
-                   [&](size_t i) { return reference(DataType::kFloat32, ReduceOp::kSum, 2, i, 1); }, "nccl 2 ranks");
+      expectDevice(
+          out.p, DataType::kFloat32, 16,
+          [&](size_t i) { return reference(DataType::kFloat32, ReduceOp::kSum, 2, i, 1); }, "nccl 2 ranks");
     } catch (const NcclError& e) {
       EXPECT_NE(std::string(e.what()).find("one rank per GPU"), std::string::npos) << e.what();
       // The heap algorithms keep working after NCCL failed to come up.
       cc.allreduce(in.p, out.p, 16, DataType::kFloat32, ReduceOp::kSum, s)->wait(kWait());
-      expectDevice(out.p, DataType::kFloat32, 16,
-                   [&](size_t i) { return reference(DataType::kFloat32, ReduceOp::kSum, 2, i, 1); },
-                   "heap allreduce after NCCL failed");
+      expectDevice(
+          out.p, DataType::kFloat32, 16,
+          [&](size_t i) { return reference(DataType::kFloat32, ReduceOp::kSum, 2, i, 1); },
+          "heap allreduce after NCCL failed");
     }
     CUDA_OK(cudaStreamDestroy(s));
   });
