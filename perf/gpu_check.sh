@@ -1,50 +1,74 @@
 #!/usr/bin/env bash
-# GPU validation for symmem/cuda on one machine with one GPU, in about 6 minutes:
-#   1. builds the GPU self-test and the copy-engine benchmark directly with nvcc/g++
-#      (needs only the CUDA toolkit and g++; fmt from third_party/ if missing),
-#   2. runs every GPU check (perf/gpu/gpu_selftest: VMM across 2 processes, stream
-#      signals, copy engine, SymmDeviceHandle kernel, multicast),
-#   3. runs the copy-engine bandwidth benchmark (perf/gpu/ce_bandwidth),
-#   4. if cmake+ninja and the project's dependencies are present: builds and runs the
-#      gtest binaries test_symmem_cuda and test_symmem_cuda_gpu (the latter also holds the
-#      checks that need the whole library: SymmetricHeap with the CUDA allocator across 2
-#      processes, stream signals on heap pads, makeDeviceHandle kernels, and a one-rank NCCL
-#      communicator with a registered window + allreduce; the direct build cannot run those),
-#   5. runs compute-sanitizer memcheck on the kernel check if available,
-# then prints a summary table. Logs go to $OUT (or ./build-gpu-check-logs).
+# GPU validation on one machine with one GPU, in about 4 minutes: every GPU test and GPU
+# benchmark, then a summary table. Stages (each with its own time limit, skipped with a
+# note when the whole-script budget GPU_CHECK_BUDGET_S, default 240 s, runs out):
+#   build      gpu_selftest, ce_bandwidth, matmul_overlap built directly with nvcc/g++
+#              (CUDA toolkit + g++ only; fmt from third_party); else taken from --prebuilt
+#   selftest   perf/gpu/gpu_selftest: VMM across 2 processes, stream signals, copy engine,
+#              SymmDeviceHandle kernel, multicast
+#   gtest      every test_*_gpu gtest binary in PREBUILT/bin (symmem, CUDA collectives,
+#              MoE, FT/NCCL, ...), built elsewhere by perf/gpu/prepare_prebuilt.sh
+#   perf       all_reduce_perf / all_gather_perf / alltoall_perf --mem cuda --nranks 2
+#              (two processes sharing the GPU; small-message latency and bandwidth)
+#   matmul     perf/gpu/matmul_overlap: bf16 matmul alone vs with copy-engine / SM copies
+#   ce         perf/gpu/ce_bandwidth: copy-engine bandwidth vs the D2D ceiling
+#   torch      perf/gpu/build_torch_ext.sh builds crossbar._C against THIS machine's torch,
+#              then pytest tests/python -k cuda
+#   sanitizer  compute-sanitizer memcheck + racecheck on the selftest kernels
+# Logs and JSON results go to $OUT (or build-gpu-check-logs/).
 #
-# usage: perf/gpu_check.sh [--build-only] [--no-cmake] [--no-sanitizer] [--prebuilt DIR]
-#   --prebuilt DIR  use gpu_selftest/ce_bandwidth from DIR when nvcc is missing or the build fails
+# usage: perf/gpu_check.sh [--prebuilt DIR] [--only STAGE,...] [--skip STAGE,...] [--build-only]
+#   --prebuilt DIR  default build-gpu-prebuilt when it exists (perf/gpu/prepare_prebuilt.sh)
+# Exit status: 1 when a stage failed, or when nothing ran on a GPU.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 LOG=${OUT:-$ROOT/build-gpu-check-logs}
 mkdir -p "$LOG"
-BUILD_ONLY=0 USE_CMAKE=1 USE_SANITIZER=1 PREBUILT=""
+PREBUILT="" ONLY="" SKIP="" BUILD_ONLY=0
+[ -d "$ROOT/build-gpu-prebuilt/bin" ] && PREBUILT=$ROOT/build-gpu-prebuilt
 while [ $# -gt 0 ]; do
   case "$1" in
+    --prebuilt) PREBUILT=$(cd "$2" 2>/dev/null && pwd) || { echo "no directory $2"; exit 2; }; shift ;;
+    --only) ONLY=",$2,"; shift ;;
+    --skip) SKIP=",$2,"; shift ;;
     --build-only) BUILD_ONLY=1 ;;
-    --no-cmake) USE_CMAKE=0 ;;
-    --no-sanitizer) USE_SANITIZER=0 ;;
-    --prebuilt) PREBUILT=$2; shift ;;
-    *) echo "usage: $0 [--build-only] [--no-cmake] [--no-sanitizer] [--prebuilt DIR]"; exit 2 ;;
+    *) echo "usage: $0 [--prebuilt DIR] [--only STAGE,...] [--skip STAGE,...] [--build-only]"; exit 2 ;;
   esac
   shift
 done
-BUDGET=${GPU_CHECK_BUDGET_S:-360}  # whole-script target; later stages are skipped past it
+BUDGET=${GPU_CHECK_BUDGET_S:-240}
 START=$SECONDS
 SUMMARY=()
 FAILED=0
+GPU_RAN=0
 note() { echo "[gpu_check +$((SECONDS - START))s] $*"; }
 record() {  # stage status detail
-  SUMMARY+=("$(printf '%-28s %-6s %s' "$1" "$2" "$3")")
+  SUMMARY+=("$(printf '%-34s %-5s %s' "$1" "$2" "$3")")
   [ "$2" = FAIL ] && FAILED=1
+  # Building is no evidence of a GPU; every other PASS ran on one.
+  [ "$2" = PASS ] && [[ "$1" != build* && "$1" != "torch build" ]] && GPU_RAN=1
   note "$1: $2 $3"
 }
 left() { echo $((BUDGET - (SECONDS - START))); }
+# limit WANTED: seconds a stage may take, keeping 5 s for the summary; 0 when out of time.
+limit() {
+  local l=$(( $(left) - 5 ))
+  [ "$l" -gt "$1" ] && l=$1
+  [ "$l" -lt 10 ] && l=0
+  echo $l
+}
+want() {  # stage: selected by --only / --skip?
+  [ -n "$ONLY" ] && [[ "$ONLY" != *",$1,"* ]] && return 1
+  [[ "$SKIP" == *",$1,"* ]] && return 1
+  return 0
+}
+first() { grep -m1 -E "$1" "$2" 2>/dev/null | cut -c1-150; }
 
-note "root $ROOT, logs $LOG, budget ${BUDGET}s"
-{ nvidia-smi || true; nvidia-smi topo -m || true; } > "$LOG/nvidia-smi.txt" 2>&1
-head -15 "$LOG/nvidia-smi.txt"
+note "root $ROOT, logs $LOG, budget ${BUDGET}s, prebuilt ${PREBUILT:-none}"
+{ timeout 20 nvidia-smi || true; timeout 10 nvidia-smi topo -m || true; } > "$LOG/nvidia-smi.txt" 2>&1
+head -12 "$LOG/nvidia-smi.txt"
+[ -n "$PREBUILT" ] && [ -f "$PREBUILT/MANIFEST" ] && { echo "prebuilt MANIFEST:"; sed 's/^/  /' "$PREBUILT/MANIFEST"; }
+export LD_LIBRARY_PATH=${PREBUILT:+$PREBUILT/lib:}${LD_LIBRARY_PATH:-}
 
 # ---- toolchain --------------------------------------------------------------------------
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -54,9 +78,9 @@ if [ -x "$CUDA_HOME/bin/nvcc" ]; then NVCC=$CUDA_HOME/bin/nvcc; elif command -v 
 CXX=${CXX:-g++}
 command -v "$CXX" >/dev/null || CXX=""
 JOBS=$(nproc 2>/dev/null || echo 4)
-note "nvcc: ${NVCC:-missing}; c++: ${CXX:-missing}; cmake: $(command -v cmake || echo missing); ninja: $(command -v ninja || echo missing)"
+note "nvcc: ${NVCC:-missing}; c++: ${CXX:-missing}; python: $(command -v python3 || echo missing)"
 
-# ---- 1. direct build (nvcc + g++, static cudart, header-only fmt) -----------------------
+# ---- build: direct nvcc/g++ (no CMake, no fmt/hwloc/UCX packages needed) -----------------
 BIN=$ROOT/build-gpu-direct
 build_direct() {
   [ -n "$NVCC" ] && [ -n "$CXX" ] || { echo "nvcc or g++ missing"; return 1; }
@@ -71,13 +95,17 @@ build_direct() {
   local srcs="comm/errors.cc comm/env.cc comm/log.cc symmem/cuda/driver_api.cc symmem/cuda/vmm.cc
     symmem/cuda/stream_signal.cc symmem/cuda/copy_engine_cuda.cc tests/symmem_cuda/gpu_checks.cc
     perf/gpu/gpu_selftest.cc perf/gpu/ce_bandwidth.cc"
+  local arch="-gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90"
   local pids=() s
   for s in $srcs; do
     "$CXX" $flags -c "$ROOT/$s" -o "$BIN/obj/$(basename "$s").o" &
     pids+=($!)
   done
-  "$NVCC" -std=c++17 -O2 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 \
-    -I"$ROOT" -I"$ROOT/tests/symmem_cuda" -c "$ROOT/tests/symmem_cuda/gpu_kernels.cu" -o "$BIN/obj/gpu_kernels.cu.o" &
+  "$NVCC" -std=c++17 -O2 $arch -I"$ROOT" -I"$ROOT/tests/symmem_cuda" \
+    -c "$ROOT/tests/symmem_cuda/gpu_kernels.cu" -o "$BIN/obj/gpu_kernels.cu.o" &
+  pids+=($!)
+  "$NVCC" -std=c++20 -O2 $arch -I"$ROOT" -Xcompiler -Wall,-Wextra \
+    -c "$ROOT/perf/gpu/matmul_overlap.cu" -o "$BIN/obj/matmul_overlap.cu.o" &
   pids+=($!)
   local rc=0 p
   for p in "${pids[@]}"; do wait "$p" || rc=1; done
@@ -88,125 +116,226 @@ build_direct() {
   "$CXX" -o "$BIN/gpu_selftest" "$BIN/obj/gpu_selftest.cc.o" "$BIN/obj/gpu_checks.cc.o" "$BIN/obj/gpu_kernels.cu.o" \
     $lib $ldflags || return 1
   "$CXX" -o "$BIN/ce_bandwidth" "$BIN/obj/ce_bandwidth.cc.o" $lib $ldflags || return 1
+  # cuBLAS needs the shared runtime.
+  "$CXX" -o "$BIN/matmul_overlap" "$BIN/obj/matmul_overlap.cu.o" $lib -L"$CUDA_HOME/lib64" -lcublas -lcudart \
+    -ldl -lpthread -lrt -Wl,-rpath,"$CUDA_HOME/lib64" || return 1
   # Guard the rule "never link libcuda": the driver must come in through the runtime only.
   if command -v ldd >/dev/null && ldd "$BIN/gpu_selftest" | grep -q 'libcuda\.so'; then
     echo "gpu_selftest links libcuda directly"; return 1
   fi
 }
-note "building gpu_selftest + ce_bandwidth directly ($JOBS jobs)"
-if build_direct > "$LOG/build-direct.log" 2>&1; then
-  record "build (nvcc/g++ direct)" PASS "$((SECONDS - START))s"
-else
-  tail -30 "$LOG/build-direct.log"
-  if [ -n "$PREBUILT" ] && [ -x "$PREBUILT/gpu_selftest" ]; then
-    BIN=$PREBUILT
-    record "build (nvcc/g++ direct)" FAIL "using prebuilt $PREBUILT; see build-direct.log"
+tool() {  # name: the directly built tool, else the prebuilt one
+  if [ -x "$BIN/$1" ]; then echo "$BIN/$1"; elif [ -n "$PREBUILT" ] && [ -x "$PREBUILT/bin/$1" ]; then
+    echo "$PREBUILT/bin/$1"; fi
+}
+if want build; then
+  note "building gpu_selftest, ce_bandwidth, matmul_overlap directly ($JOBS jobs)"
+  rm -f "$BIN/gpu_selftest" "$BIN/ce_bandwidth" "$BIN/matmul_overlap"
+  t0=$SECONDS
+  if timeout "$(limit "${GPU_CHECK_BUILD_S:-120}")" bash -c "$(declare -f build_direct); BIN='$BIN' ROOT='$ROOT' NVCC='$NVCC' CXX='$CXX' CUDA_HOME='$CUDA_HOME' build_direct" \
+      > "$LOG/build-direct.log" 2>&1; then
+    record "build (nvcc/g++ direct)" PASS "$((SECONDS - t0)) s"
   else
-    record "build (nvcc/g++ direct)" FAIL "see build-direct.log"
-    BIN=""
+    tail -20 "$LOG/build-direct.log"
+    rm -f "$BIN/gpu_selftest" "$BIN/ce_bandwidth" "$BIN/matmul_overlap"
+    record "build (nvcc/g++ direct)" FAIL "see build-direct.log; prebuilt tools used where present"
   fi
 fi
-
 if [ $BUILD_ONLY = 1 ]; then
   printf '%s\n' "${SUMMARY[@]}"
   exit $FAILED
 fi
 
-# ---- 2. GPU checks -----------------------------------------------------------------------
-if [ -n "$BIN" ]; then
-  "$BIN/gpu_selftest" --list > "$LOG/selftest-list.txt" 2>&1
-  timeout 300 "$BIN/gpu_selftest" --timeout 120 2>&1 | tee "$LOG/selftest.log"
-  rc=${PIPESTATUS[0]}
-  while read -r status name rest; do
-    case "$status" in PASS|FAIL|SKIP) record "check $name" "$status" "$(echo "$rest" | cut -c1-160)" ;; esac
-  done < <(grep -E '^(PASS|FAIL|SKIP) ' "$LOG/selftest.log")
-  [ "$rc" = 0 ] || [ "$rc" = 1 ] || record "gpu_selftest" FAIL "exit code $rc (timeout or crash)"
-  # This script validates a GPU machine: nothing having run on a GPU is a failure, not a green run.
-  grep -qE '^PASS ' "$LOG/selftest.log" || record "gpu present" FAIL "no check ran on a GPU (see selftest.log)"
+# ---- selftest -------------------------------------------------------------------------------
+SELFTEST=$(tool gpu_selftest)
+if want selftest; then
+  lim=$(limit 90)
+  if [ -z "$SELFTEST" ]; then
+    record "selftest" FAIL "no gpu_selftest (build failed, no prebuilt)"
+  elif [ "$lim" = 0 ]; then
+    record "selftest" SKIP "out of time"
+  else
+    timeout "$lim" "$SELFTEST" --timeout $((lim - 10)) > "$LOG/selftest.log" 2>&1
+    rc=$?
+    cat "$LOG/selftest.log"
+    while read -r status name rest; do
+      record "check $name" "$status" "$(echo "$rest" | cut -c1-120)"
+    done < <(grep -E '^(PASS|FAIL|SKIP) ' "$LOG/selftest.log")
+    [ "$rc" = 0 ] || [ "$rc" = 1 ] || record "selftest" FAIL "exit code $rc (timeout or crash)"
+  fi
 fi
 
-# ---- 3. copy-engine bandwidth -------------------------------------------------------------
-if [ -n "$BIN" ] && [ "$(left)" -gt 60 ]; then
-  if timeout 120 "$BIN/ce_bandwidth" --iters 10 --chunks 8 --max-mib 1024 2>&1 | tee "$LOG/ce_bandwidth.log"; then
-    record "bench ce_bandwidth" PASS "see table above / ce_bandwidth.log"
+# ---- gtest: every test_*_gpu ------------------------------------------------------------------
+if want gtest; then
+  found=0
+  for t in ${PREBUILT:+"$PREBUILT"/bin/test_*_gpu}; do
+    [ -x "$t" ] || continue
+    found=1
+    name=$(basename "$t")
+    lim=$(limit 100)
+    if [ "$lim" = 0 ]; then record "gtest $name" SKIP "out of time"; continue; fi
+    note "$name (limit ${lim}s)"
+    timeout "$lim" "$t" --gtest_color=no > "$LOG/$name.log" 2>&1
+    rc=$?
+    counts="$(grep -E '^\[  PASSED  \]|^\[  SKIPPED \] [0-9]|^\[  FAILED  \] [0-9]' "$LOG/$name.log" | tr -s ' ' | tr '\n' ' ')"
+    if [ $rc = 0 ] && grep -qE '^\[  PASSED  \] 0 tests' "$LOG/$name.log"; then
+      record "gtest $name" SKIP "every test skipped: $(first 'SKIPPED|Skipped' "$LOG/$name.log")"
+    elif [ $rc = 0 ]; then
+      record "gtest $name" PASS "$counts"
+    else
+      [ $rc = 124 ] && counts="timeout after ${lim}s; $counts"
+      record "gtest $name" FAIL "exit $rc; $counts$(grep -E '^\[  FAILED  \] [A-Za-z]' "$LOG/$name.log" | head -3 | tr '\n' ' ')"
+    fi
+  done
+  [ $found = 1 ] || record "gtest" SKIP "no PREBUILT/bin/test_*_gpu (run perf/gpu/prepare_prebuilt.sh and carry it)"
+fi
+
+# ---- perf --mem cuda, 2 ranks on the one GPU ------------------------------------------------
+perf_run() {  # label binary args...
+  local label=$1 bin=$2; shift 2
+  local exe=""
+  [ -n "$PREBUILT" ] && [ -x "$PREBUILT/bin/$bin" ] && exe=$PREBUILT/bin/$bin
+  if [ -z "$exe" ]; then record "perf $label" SKIP "no $bin in PREBUILT/bin"; return; fi
+  local lim
+  lim=$(limit 60)
+  if [ "$lim" = 0 ]; then record "perf $label" SKIP "out of time"; return; fi
+  local log=$LOG/perf-$label.log
+  note "$bin $* (limit ${lim}s)"
+  timeout "$lim" "$exe" --mem cuda -J "$LOG/perf-$label.json" --json "$LOG/perf-$label.jsonl" "$@" > "$log" 2>&1
+  local rc=$?
+  cat "$log"
+  local oob avg small
+  oob=$(sed -n 's/^# Out of bounds values : //p' "$log")
+  avg=$(sed -n 's/^# Avg bus bandwidth    : \([0-9.e+-]*\).*/\1/p' "$log")
+  # The smallest size's out-of-place time (latency) and the largest's busbw.
+  small=$(awk '!/^#/ && NF >= 13 {print $1 " B: " $6 " us"; exit}' "$log")
+  local big
+  big=$(awk '!/^#/ && NF >= 13 {b=$1; bw=$8} END {if (b) print b " B: " bw " GB/s busbw"}' "$log")
+  if [ $rc = 2 ] && grep -q -- '--mem cuda: ' "$log"; then
+    record "perf $label" SKIP "$(grep -m1 -- '--mem cuda: ' "$log" | cut -c1-150)"
+  elif [ $rc = 0 ] && [ "${oob%% *}" = 0 ]; then
+    record "perf $label" PASS "$small; $big; avg busbw $avg"
   else
+    record "perf $label" FAIL "exit $rc; oob '${oob}'; $(grep -m2 -iE 'error|failed|unsupported' "$log" | tr '\n' ' ' | cut -c1-160)"
+  fi
+}
+if want perf; then
+  perf_run all_reduce_2r all_reduce_perf --nranks 2 -b 8 -e 64M -f 4 -n 20 -w 5 -I 1
+  perf_run all_reduce_2r_symm all_reduce_perf --nranks 2 -b 8 -e 1M -f 4 -n 50 -w 10 -R 2
+  perf_run all_gather_2r all_gather_perf --nranks 2 -b 1K -e 256M -f 8 -n 10 -w 3
+  perf_run alltoall_2r alltoall_perf --nranks 2 -b 1K -e 256M -f 8 -n 10 -w 3
+fi
+
+# ---- matmul overlap ---------------------------------------------------------------------------
+if want matmul; then
+  MM=$(tool matmul_overlap)
+  lim=$(limit 90)
+  if [ -z "$MM" ]; then
+    record "bench matmul_overlap" FAIL "no matmul_overlap (build failed, no prebuilt)"
+  elif [ "$lim" = 0 ]; then
+    record "bench matmul_overlap" SKIP "out of time"
+  elif timeout "$lim" "$MM" --iters 20 --reps 3 > "$LOG/matmul_overlap.log" 2>&1; then
+    cat "$LOG/matmul_overlap.log"
+    if grep -q '^RESULT ' "$LOG/matmul_overlap.log"; then
+      record "bench matmul_overlap" PASS "$(sed -n 's/^RESULT //p' "$LOG/matmul_overlap.log")"
+    else
+      record "bench matmul_overlap" SKIP "$(head -1 "$LOG/matmul_overlap.log")"
+    fi
+  else
+    cat "$LOG/matmul_overlap.log"
+    record "bench matmul_overlap" FAIL "exit $?; see matmul_overlap.log"
+  fi
+fi
+
+# ---- copy-engine bandwidth -------------------------------------------------------------------
+if want ce; then
+  CE=$(tool ce_bandwidth)
+  lim=$(limit 60)
+  if [ -z "$CE" ]; then
+    record "bench ce_bandwidth" FAIL "no ce_bandwidth (build failed, no prebuilt)"
+  elif [ "$lim" = 0 ]; then
+    record "bench ce_bandwidth" SKIP "out of time"
+  elif timeout "$lim" "$CE" --iters 10 --chunks 8 --max-mib 1024 > "$LOG/ce_bandwidth.log" 2>&1; then
+    cat "$LOG/ce_bandwidth.log"
+    if grep -q 'SKIP' "$LOG/ce_bandwidth.log"; then
+      record "bench ce_bandwidth" SKIP "$(head -1 "$LOG/ce_bandwidth.log")"
+    else
+      record "bench ce_bandwidth" PASS "$(awk '$1 == 1024 {print "1 GiB: ceiling " $2 ", CE batch " $3 " GB/s"}' "$LOG/ce_bandwidth.log")"
+    fi
+  else
+    cat "$LOG/ce_bandwidth.log"
     record "bench ce_bandwidth" FAIL "see ce_bandwidth.log"
   fi
 fi
 
-# ---- 4. CMake + gtest ------------------------------------------------------------------
-if [ $USE_CMAKE = 1 ] && command -v cmake >/dev/null && command -v ninja >/dev/null && [ "$(left)" -gt 120 ]; then
-  CB=$ROOT/build-gpu-check
-  note "cmake configure (the full project's dependencies are needed; skipped otherwise)"
-  if timeout 90 cmake -S "$ROOT" -B "$CB" -G Ninja -DCROSSBAR_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-      -DCROSSBAR_BUILD_BENCHMARKS=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo > "$LOG/cmake-configure.log" 2>&1; then
-    if timeout $(( $(left) - 60 > 30 ? $(left) - 60 : 30 )) ninja -C "$CB" -j "$JOBS" test_symmem_cuda test_symmem_cuda_gpu \
-        > "$LOG/cmake-build.log" 2>&1; then
-      record "build (cmake/ninja)" PASS ""
-      for t in test_symmem_cuda test_symmem_cuda_gpu; do
-        # Both binaries include the heap/NCCL tests (test_symmem_cuda_heap*.cc); list them for the log.
-        "$CB/bin/$t" --gtest_list_tests > "$LOG/$t.list" 2>&1 || true
-        if timeout 240 "$CB/bin/$t" --gtest_color=no > "$LOG/$t.log" 2>&1; then
-          record "gtest $t" PASS "$(grep -E '^\[  (PASSED|SKIPPED) ' "$LOG/$t.log" | tr '\n' ' ')"
-        else
-          record "gtest $t" FAIL "$(grep -E '^\[  FAILED  \]' "$LOG/$t.log" | head -3 | tr '\n' ' ')"
-        fi
-      done
-    else
-      record "build (cmake/ninja)" FAIL "see cmake-build.log"
-    fi
+# ---- torch extension against this machine's torch, then the CUDA pytest ------------------------
+if want torch; then
+  lim=$(limit 150)
+  if ! python3 -c 'import torch' 2>/dev/null; then
+    record "torch build" SKIP "python3 cannot import torch"
+  elif [ -z "$PREBUILT" ]; then
+    record "torch build" SKIP "needs --prebuilt (the crossbar libraries)"
+  elif [ "$lim" = 0 ]; then
+    record "torch build" SKIP "out of time"
   else
-    record "build (cmake/ninja)" SKIP "configure failed (missing deps?), see cmake-configure.log"
+    t0=$SECONDS
+    TEXT=$ROOT/build-torch-ext
+    if timeout "$lim" "$ROOT/perf/gpu/build_torch_ext.sh" --prebuilt "$PREBUILT" --out "$TEXT" \
+        > "$LOG/torch-build.log" 2>&1; then
+      record "torch build" PASS "$((SECONDS - t0)) s; $(grep -m1 '^torch ' "$LOG/torch-build.log" | cut -d';' -f1)"
+      lim=$(limit 120)
+      if [ "$lim" = 0 ]; then
+        record "torch pytest -k cuda" SKIP "out of time"
+      else
+        (cd "$ROOT" && CROSSBAR_BUILD_DIR=$TEXT timeout "$lim" python3 -m pytest -q -x -k cuda \
+          -p no:cacheprovider tests/python) > "$LOG/torch-pytest.log" 2>&1
+        rc=$?
+        tail -15 "$LOG/torch-pytest.log"
+        res=$(grep -E '^[0-9]+ (passed|failed|skipped|deselected)|^(FAILED|ERROR) ' "$LOG/torch-pytest.log" | tail -3 | tr '\n' ' ')
+        case $rc in
+          0) record "torch pytest -k cuda" PASS "$res" ;;
+          5) record "torch pytest -k cuda" SKIP "no test matched -k cuda" ;;
+          124) record "torch pytest -k cuda" FAIL "timeout after ${lim}s" ;;
+          *) record "torch pytest -k cuda" FAIL "exit $rc; $res" ;;
+        esac
+      fi
+    else
+      tail -20 "$LOG/torch-build.log"
+      record "torch build" FAIL "see torch-build.log"
+    fi
   fi
-else
-  record "build (cmake/ninja)" SKIP "cmake/ninja missing, --no-cmake, or out of time"
 fi
 
-# ---- 4b. prebuilt gtest binaries ---------------------------------------------------------
-# When the GPU machine lacks the project's dependencies, gtest binaries built elsewhere can
-# travel in $PREBUILT/gtest (with their shared libraries in $PREBUILT/gtest/lib).
-if [ -n "$PREBUILT" ] && [ -d "$PREBUILT/gtest" ]; then
-  for t in "$PREBUILT"/gtest/test_*; do
-    [ -x "$t" ] || continue
-    name=$(basename "$t")
-    lim=$(( $(left) - 60 < 120 ? $(left) - 60 : 120 ))
-    if [ "$lim" -lt 20 ]; then record "gtest $name (prebuilt)" SKIP "out of time"; continue; fi
-    note "running prebuilt $name (limit ${lim}s)"
-    if LD_LIBRARY_PATH="$PREBUILT/gtest/lib:${LD_LIBRARY_PATH:-}" timeout "$lim" "$t" > "$LOG/$name.log" 2>&1; then
-      record "gtest $name (prebuilt)" PASS "$(grep -E '^\[  PASSED  \]|SKIPPED' "$LOG/$name.log" | tr '\n' ' ')"
+# ---- compute-sanitizer ------------------------------------------------------------------------
+# API errors are not reported: VmmAllocation first asks for a fabric handle and falls back
+# to a POSIX fd when the driver answers CUDA_ERROR_NOT_PERMITTED, on purpose.
+if want sanitizer; then
+  SAN=""
+  [ -x "$CUDA_HOME/bin/compute-sanitizer" ] && SAN=$CUDA_HOME/bin/compute-sanitizer
+  [ -z "$SAN" ] && command -v compute-sanitizer >/dev/null && SAN=$(command -v compute-sanitizer)
+  for tool_name in memcheck racecheck; do
+    lim=$(limit 60)
+    if [ -z "$SAN" ] || [ -z "$SELFTEST" ] || [ "$lim" = 0 ]; then
+      record "compute-sanitizer $tool_name" SKIP "not installed, no selftest, or out of time"
+      continue
+    fi
+    only=kernel_put_signal,copy_engine
+    [ $tool_name = racecheck ] && only=kernel_put_signal
+    note "compute-sanitizer $tool_name on $only (limit ${lim}s)"
+    if timeout "$lim" "$SAN" --tool $tool_name --report-api-errors no --target-processes all --error-exitcode 9 \
+        "$SELFTEST" --only $only --timeout $((lim - 5)) > "$LOG/sanitizer-$tool_name.log" 2>&1; then
+      record "compute-sanitizer $tool_name" PASS "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer-$tool_name.log" | sort | uniq -c | tr -s ' ' | tr '\n' ' ')"
     else
-      record "gtest $name (prebuilt)" FAIL "exit $?; $(grep -E '^\[  FAILED  \]' "$LOG/$name.log" | head -3 | tr '\n' ' ')"
+      rc=$?
+      record "compute-sanitizer $tool_name" FAIL "exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^FAIL' "$LOG/sanitizer-$tool_name.log" | head -3 | tr '\n' ' ')"
     fi
   done
 fi
 
-# ---- 5. compute-sanitizer ------------------------------------------------------------------
-# API errors are not reported: VmmAllocation first asks for a fabric handle and falls back
-# to a POSIX fd when the driver answers CUDA_ERROR_NOT_PERMITTED, on purpose.
-SAN=""
-[ -x "$CUDA_HOME/bin/compute-sanitizer" ] && SAN=$CUDA_HOME/bin/compute-sanitizer
-[ -z "$SAN" ] && command -v compute-sanitizer >/dev/null && SAN=$(command -v compute-sanitizer)
-for tool in memcheck racecheck; do
-  if [ $USE_SANITIZER = 1 ] && [ -n "$SAN" ] && [ -n "$BIN" ] && [ "$(left)" -gt 40 ]; then
-    lim=$(( $(left) - 10 < 120 ? $(left) - 10 : 120 ))
-    only=kernel_put_signal,copy_engine
-    [ $tool = racecheck ] && only=kernel_put_signal
-    note "compute-sanitizer $tool on $only (limit ${lim}s)"
-    if timeout "$lim" "$SAN" --tool $tool --report-api-errors no --target-processes all --error-exitcode 9 \
-        "$BIN/gpu_selftest" --only $only --timeout $((lim - 5)) > "$LOG/sanitizer-$tool.log" 2>&1; then
-      record "compute-sanitizer $tool" PASS "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/sanitizer-$tool.log" | sort | uniq -c | tr -s ' ' | tr '\n' ' ')"
-    else
-      rc=$?
-      record "compute-sanitizer $tool" FAIL "exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^FAIL' "$LOG/sanitizer-$tool.log" | head -3 | tr '\n' ' ')"
-    fi
-  else
-    record "compute-sanitizer $tool" SKIP "not installed, disabled, or out of time"
-  fi
-done
-
+# A GPU validation where nothing ran on a GPU is a failure, not a green run.
+[ $GPU_RAN = 1 ] || record "gpu present" FAIL "no stage passed on a GPU (see nvidia-smi.txt)"
 echo
-echo "==================== gpu_check summary ($((SECONDS - START)) s) ===================="
-printf '%-28s %-6s %s\n' STAGE STATUS DETAIL
+echo "==================== gpu_check summary ($((SECONDS - START)) s of ${BUDGET} s) ===================="
+printf '%-34s %-5s %s\n' STAGE STATUS DETAIL
 printf '%s\n' "${SUMMARY[@]}" | tee "$LOG/summary.txt"
-[ -f "$LOG/ce_bandwidth.log" ] && { echo; cat "$LOG/ce_bandwidth.log"; }
 exit $FAILED
