@@ -190,11 +190,16 @@ class CudaWork final : public Work {
 };
 
 // Where a rank's contribution lives: the same buffer and offset on every rank.
+// Where a rank's contribution lives: the same buffer and offset on every rank, seen
+// through the buffer's device handle (every peer's mapping in this process).
 struct Region {
+  Region() = default;
+  Region(symm::SymmetricBuffer* b, size_t off) : buf(b), offset(off), handle(cuda::makeDeviceHandle(*b)) {}
   symm::SymmetricBuffer* buf = nullptr;
   size_t offset = 0;
+  cuda::SymmDeviceHandle handle{};
   const char* at(int rank, size_t byte_offset = 0) const {
-    return buf->peer<char>(rank, offset + byte_offset);
+    return handle.peer<char>(rank, offset + byte_offset);
   }
 };
 
@@ -436,9 +441,9 @@ bool CudaCollectives::Impl::outputHitsInput(const void* out, size_t out_bytes, c
 Region CudaCollectives::Impl::contribution(const void* ptr, size_t bytes, bool force_stage) {
   size_t off = 0;
   if (!force_stage && ptr)
-    if (symm::SymmetricBuffer* b = findUserBuffer(ptr, bytes, &off)) return {b, off};
+    if (symm::SymmetricBuffer* b = findUserBuffer(ptr, bytes, &off)) return Region(b, off);
   if (ptr) localCopy(stage->localPtr(), ptr, bytes);
-  return {stage.get(), 0};
+  return Region(stage.get(), 0);
 }
 
 size_t CudaCollectives::Impl::stageNeed(const CollArgs& a, bool twoshot) const {
@@ -483,11 +488,12 @@ void CudaCollectives::Impl::allreduceHeap(const CollArgs& a, bool twoshot) {
   // Two-shot: rank r reduces elements [lo, hi) and writes them into every rank's
   // staging at `out`; after a barrier each rank copies the whole result out.
   const size_t out = alignUp(blk, kStageAlign);
+  const cuda::SymmDeviceHandle stage_handle = cuda::makeDeviceHandle(*stage);
   const size_t per = (a.count + n - 1) / n;
   const size_t lo = std::min(a.count, per * me), hi = std::min(a.count, lo + per);
   for (int r = 0; r < n; ++r) {
     l.inputs[r] = in.at(r, lo * es);
-    l.outputs[r] = stage->peer<char>(r, out + lo * es);
+    l.outputs[r] = stage_handle.peer<char>(r, out + lo * es);
   }
   l.num_outputs = n;
   l.count = hi - lo;
@@ -633,7 +639,7 @@ void CudaCollectives::Impl::broadcastHeap(const CollArgs& a) {
   // Non-roots must address the root's region the way the root chose it: in place when
   // the (same, symmetric) buffer lies in the heap.
   size_t off = 0;
-  if (symm::SymmetricBuffer* b = findUserBuffer(a.recv, blk, &off)) in = {b, off};
+  if (symm::SymmetricBuffer* b = findUserBuffer(a.recv, blk, &off)) in = Region(b, off);
   barrier();
   if (rank() != a.root) localCopy(a.recv, in.at(a.root), blk);
   barrier();
