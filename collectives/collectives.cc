@@ -32,6 +32,7 @@
 #include "comm/errors.h"
 #include "comm/log.h"
 #include "comm/store.h"
+#include "telemetry/telemetry.h"
 
 namespace crossbar {
 
@@ -369,6 +370,9 @@ void validateCollArgs(const CollArgs& a, const Communicator& c) {
 
 namespace {
 
+struct Planned;
+int64_t opSeq(const Planned& op);  // the collective's sequence number (telemetry)
+
 struct Planned {
   CollArgs args;
   const Algorithm* algo = nullptr;
@@ -376,6 +380,10 @@ struct Planned {
   uint64_t seq = 0;  // collectives only (signature.h checks it across ranks)
   std::string desc;
 };
+
+int64_t opSeq(const Planned& op) {
+  return static_cast<int64_t>(op.seq);
+}
 
 }  // namespace
 
@@ -433,8 +441,10 @@ Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
 }
 
 std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> ops) {
+  // Telemetry: issue time here, start/end/waits around the run (PeerWait in the algorithms).
+  const int64_t issued_ns = telemetry::Recorder::instance().enabled() ? telemetry::nowNs() : 0;
   return [comm = comm, ops = std::move(ops), chunk = chunk_bytes, hier = hier, scratch = scratch,
-          symm = symm, checker = checker](Deadline deadline) {
+          symm = symm, checker = checker, issued_ns](Deadline deadline) {
     RunContext x;
     x.scratch = scratch.get();
     x.symm = symm.get();
@@ -443,6 +453,8 @@ std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> o
     x.chunk_bytes = chunk;
     x.hier = hier.get();
     if (ops.size() == 1 && !isP2p(ops[0].args.coll)) {
+      telemetry::OpScope record(collTypeName(ops[0].args.coll), ops[0].args.selectionBytes(comm->size()),
+                                ops[0].algo->name, issued_ns, opSeq(ops[0]), comm->rank());
       checker->check(comm, ops[0].args, ops[0].seq, deadline);
       if (isEmpty(ops[0].args)) return;
       x.tag = ops[0].tag;
@@ -451,6 +463,11 @@ std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> o
     }
     // A group (or a lone send/recv): post every point-to-point first so they overlap
     // with each other and with the group's collectives, then wait for all.
+    const bool lone = ops.size() == 1;
+    uint64_t total_bytes = 0;
+    for (const Planned& op : ops) total_bytes += op.args.selectionBytes(comm->size());
+    telemetry::OpScope record(lone ? collTypeName(ops[0].args.coll) : "group", total_bytes,
+                              lone ? ops[0].algo->name : std::string_view("group"), issued_ns, -1, comm->rank());
     std::vector<RequestPtr> reqs;
     std::vector<size_t> expect;
     for (const Planned& op : ops) {
@@ -471,7 +488,10 @@ std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> o
       x.tag = op.tag;
       op.algo->run(op.args, x);
     }
-    comm->waitAll(reqs, deadline);
+    {
+      telemetry::PeerWait waiting(lone ? ops[0].args.peer : -1);
+      comm->waitAll(reqs, deadline);
+    }
     size_t k = 0;
     for (const Planned& op : ops) {
       if (!isP2p(op.args.coll)) continue;

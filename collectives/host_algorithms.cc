@@ -14,6 +14,7 @@
 #include "collectives/algorithms.h"
 #include "collectives/reduce.h"
 #include "comm/errors.h"
+#include "telemetry/telemetry.h"
 
 namespace crossbar {
 namespace {
@@ -77,7 +78,9 @@ Layout uniformLayout(size_t count, int p) {
 }
 
 void waitOne(const RequestPtr& r, const RunContext& x) {
+  telemetry::PeerWait waiting(-1, !r->done());  // the op's wait for its peers (telemetry)
   r->wait(x.deadline);
+  waiting.setPeer(r->status().source);
 }
 
 void expectBytes(const RequestPtr& r, size_t bytes, const Communicator& c, int peer, const char* what) {

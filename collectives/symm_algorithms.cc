@@ -20,6 +20,7 @@
 #include "comm/errors.h"
 #include "comm/log.h"
 #include "symmem/copy_engine.h"
+#include "telemetry/telemetry.h"
 
 namespace crossbar {
 
@@ -57,6 +58,7 @@ SymmStaging::SymmStaging(std::shared_ptr<Communicator> comm, size_t bytes, size_
 void SymmStaging::wait(int peer, int channel, Deadline deadline) {
   const uint64_t want = ++seen_[static_cast<size_t>(channel) * size_ + peer];
   auto reached = [&] { return buf_->signalValue(peer, channel) >= want; };
+  telemetry::PeerWait waiting(peer, !reached());  // the op's wait for its peers (telemetry)
   if (!reached()) {
     for (int i = 0; i < 256 && !reached(); ++i) __builtin_ia32_pause();
     const auto yield_until = Clock::now() + kYieldPhase;

@@ -198,7 +198,7 @@ Report aggregate(const std::vector<StepSummary>& summaries, const AggregateOptio
     for (const auto& [rank, s] : ranks) {
       int64_t t = s->end_ns - s->start_ns;
       times.push_back(t);
-      busy.push_back(t - s->wait_ns);
+      busy.push_back(t - std::max(s->comm_ns, s->wait_ns));  // outside communication
       comm.push_back(s->comm_ns);
       wait.push_back(s->wait_ns);
       data.push_back(phaseNs(*s, "data_loading", "data"));

@@ -30,8 +30,9 @@ struct StepReport {
   int64_t worst_ns = 0;
   int64_t median_ns = 0;  // median rank's step time
   int64_t stddev_ns = 0;  // across ranks
-  // Straggler: the rank that kept the others waiting, i.e. the most busy (non-wait)
-  // time; its margin is that busy time minus the median rank's.
+  // Straggler: the rank that kept the others waiting, i.e. the most busy time (outside
+  // communication: step_ns - max(comm_ns, wait_ns), since waits happen inside the
+  // collectives); its margin is that busy time minus the median rank's.
   int straggler = -1;
   int64_t straggler_margin_ns = 0;
   int64_t comm_median_ns = 0, comm_max_ns = 0;

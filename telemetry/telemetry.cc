@@ -182,6 +182,11 @@ void Recorder::setRank(int rank, int world_size) {
   configure(std::move(c));
 }
 
+Config Recorder::config() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return config_;
+}
+
 void Recorder::attachStore(std::shared_ptr<Store> store) {
   std::lock_guard<std::mutex> lock(mutex_);
   store_ = std::move(store);

@@ -101,6 +101,7 @@ class Recorder {
   void attachStore(std::shared_ptr<Store> store);
 
   bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
+  Config config() const;
   int rank() const { return config_.rank; }
 
   // Hot path: one record into the calling thread's ring. Returns the op's sequence number.

@@ -11,6 +11,7 @@
 // NCCL calls these from the user thread and the proxy thread at once: counters are atomic,
 // and each event object is freed by whoever drops its last reference.
 #include <algorithm>
+#include <cstdio>
 #include <atomic>
 #include <cstring>
 #include <deque>
@@ -18,6 +19,7 @@
 #include <string>
 
 #include "plugins/nccl/nccl_profiler_v5.h"
+#include "plugins/nccl/plugin_stats.h"
 #include "telemetry/telemetry.h"
 
 namespace {
@@ -30,6 +32,13 @@ struct Context {
 };
 
 std::atomic<bool> kernel_events{false};  // KernelCh events were asked for
+
+struct Counters {
+  std::atomic<uint64_t> inits{0}, coll_api{0}, colls{0}, colls_recorded{0}, kernel_channels{0}, proxy_ops{0}, proxy_steps{0};
+  std::atomic<uint64_t> last_bytes{0};
+  std::mutex last_mutex;
+  std::string last_func;
+} counters;
 
 struct Event {
   uint64_t type = 0;
@@ -89,6 +98,10 @@ void finishColl(Coll* c) {
   int64_t end = c->last_end.load();
   if (start == INT64_MAX) start = c->enqueue_ns, end = c->host_end_ns;
   Recorder::instance().recordOp(c->func, c->bytes, c->algo, c->enqueue_ns, start, end, c->max_wait.load());
+  counters.colls_recorded++;
+  counters.last_bytes = c->bytes;
+  std::lock_guard<std::mutex> lock(counters.last_mutex);
+  counters.last_func = c->func;
 }
 
 void release(Event* e) {
@@ -118,14 +131,18 @@ void release(Event* e) {
 ncclResult_t profInit(void** context, uint64_t /*commId*/, int* eActivationMask, const char* /*commName*/,
                       int /*nNodes*/, int nranks, int rank, ncclDebugLogger_t /*logfn*/) {
   auto* ctx = new Context;
+  counters.inits++;
   ctx->rank = rank;
   ctx->nranks = nranks;
   Recorder& rec = Recorder::instance();
   // The first (world-sized) communicator names the process's rank in telemetry.
   if (rec.enabled() && nranks > 1) rec.setRank(rank, nranks);
   kernel_events.store(rec.enabled(), std::memory_order_relaxed);
-  *eActivationMask =
-      rec.enabled() ? (ncclProfileColl | ncclProfileKernelCh | ncclProfileProxyOp | ncclProfileProxyStep) : 0;
+  // CollApi events are only counted (plugin_stats.h): NCCL emits them per user call, even
+  // where no Coll follows (one-rank communicators copy locally).
+  *eActivationMask = rec.enabled() ? (ncclProfileCollApi | ncclProfileColl | ncclProfileKernelCh |
+                                      ncclProfileProxyOp | ncclProfileProxyStep)
+                                   : 0;
   *context = ctx;
   return ncclSuccess;
 }
@@ -135,7 +152,11 @@ ncclResult_t profStartEvent(void* /*context*/, void** eHandle, ncclProfilerEvent
   if (!d) return ncclSuccess;
   int64_t now = nowNs();
   switch (d->type) {
+    case ncclProfileCollApi:
+      counters.coll_api++;
+      return ncclSuccess;
     case ncclProfileColl: {
+      counters.colls++;
       auto* c = new Coll;
       c->type = ncclProfileColl;
       c->func = d->coll.func ? d->coll.func : "coll";
@@ -156,6 +177,7 @@ ncclResult_t profStartEvent(void* /*context*/, void** eHandle, ncclProfilerEvent
       if (!parent || parent->type != ncclProfileColl) return ncclSuccess;  // p2p: not recorded
       // Too late to count toward a record already emitted.
       if (static_cast<Coll*>(parent)->finished.load(std::memory_order_acquire)) return ncclSuccess;
+      (d->type == ncclProfileKernelCh ? counters.kernel_channels : counters.proxy_ops)++;
       auto* ch = new Channel;
       ch->type = d->type;
       ch->parent = parent;
@@ -169,6 +191,7 @@ ncclResult_t profStartEvent(void* /*context*/, void** eHandle, ncclProfilerEvent
     case ncclProfileProxyStep: {
       auto* parent = static_cast<Event*>(d->parentObj);
       if (!parent || parent->type != ncclProfileProxyOp) return ncclSuccess;
+      counters.proxy_steps++;
       auto* s = new Step;
       s->type = ncclProfileProxyStep;
       s->parent = parent;
@@ -227,4 +250,18 @@ ncclResult_t profFinalize(void* context) {
 extern "C" {
 __attribute__((visibility("default"))) ncclProfiler_v5_t ncclProfiler_v5 = {
     "crossbar", profInit, profStartEvent, profStopEvent, profRecordEventState, profFinalize};
+
+__attribute__((visibility("default"))) int crossbar_profiler_stats(CrossbarProfilerStats* out) {
+  out->inits = counters.inits.load();
+  out->coll_api = counters.coll_api.load();
+  out->colls = counters.colls.load();
+  out->colls_recorded = counters.colls_recorded.load();
+  out->kernel_channels = counters.kernel_channels.load();
+  out->proxy_ops = counters.proxy_ops.load();
+  out->proxy_steps = counters.proxy_steps.load();
+  out->last_bytes = counters.last_bytes.load();
+  std::lock_guard<std::mutex> lock(counters.last_mutex);
+  std::snprintf(out->last_func, sizeof(out->last_func), "%s", counters.last_func.c_str());
+  return 0;
+}
 }

@@ -20,9 +20,16 @@
 #include <string>
 #include <vector>
 
+#include <atomic>
+
 #include "plugins/nccl/nccl_tuner_v5.h"
+#include "plugins/nccl/plugin_stats.h"
 
 namespace {
+
+struct Counters {
+  std::atomic<uint64_t> inits{0}, rules{0}, consulted{0}, applied{0};
+} counters;
 
 struct Rule {
   int coll = -1;  // ncclFunc_t
@@ -146,6 +153,8 @@ ncclResult_t tunerInit(void** context, uint64_t /*commId*/, size_t nRanks, size_
   ctx->nnodes = nNodes;
   ctx->log = logFunction;
   if (const char* path = std::getenv("CROSSBAR_TUNER_TABLE"); path && *path) loadTable(ctx, path);
+  counters.inits++;
+  counters.rules += ctx->rules.size();
   *context = ctx;
   return ncclSuccess;
 }
@@ -155,6 +164,7 @@ ncclResult_t tunerGetCollInfo(void* context, ncclFunc_t collType, size_t nBytes,
                               int* nChannels) {
   auto* ctx = static_cast<Context*>(context);
   if (!ctx || !collCostTable) return ncclSuccess;
+  counters.consulted++;
   for (const Rule& r : ctx->rules) {
     if (r.coll != int(collType) || nBytes < r.min_bytes || nBytes >= r.max_bytes) continue;
     if (r.nranks >= 0 && size_t(r.nranks) != ctx->nranks) continue;
@@ -166,6 +176,7 @@ ncclResult_t tunerGetCollInfo(void* context, ncclFunc_t collType, size_t nBytes,
     if (cost == float(NCCL_ALGO_PROTO_IGNORE)) return ncclSuccess;  // unusable here: NCCL decides
     cost = 0.0f;
     if (r.channels > 0 && nChannels) *nChannels = r.channels;
+    counters.applied++;
     return ncclSuccess;
   }
   return ncclSuccess;
@@ -182,4 +193,12 @@ ncclResult_t tunerFinalize(void* context) {
 extern "C" {
 extern __attribute__((visibility("default"))) const ncclTuner_v5_t ncclTunerPlugin_v5;
 const ncclTuner_v5_t ncclTunerPlugin_v5 = {"crossbar", tunerInit, tunerGetCollInfo, tunerFinalize};
+
+__attribute__((visibility("default"))) int crossbar_tuner_stats(CrossbarTunerStats* out) {
+  out->inits = counters.inits.load();
+  out->rules = counters.rules.load();
+  out->consulted = counters.consulted.load();
+  out->applied = counters.applied.load();
+  return 0;
+}
 }

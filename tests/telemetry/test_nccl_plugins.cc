@@ -12,6 +12,7 @@
 
 #include "plugins/nccl/nccl_profiler_v5.h"
 #include "plugins/nccl/nccl_tuner_v5.h"
+#include "plugins/nccl/plugin_stats.h"
 #include "telemetry/telemetry.h"
 
 namespace crossbar::telemetry {
@@ -78,6 +79,10 @@ class TunerTest : public ::testing::Test {
 
 TEST_F(TunerTest, TableRowsSetCostAndChannels) {
   EXPECT_STREQ(tuner_->name, "crossbar");
+  auto stats = reinterpret_cast<crossbar_tuner_stats_fn>(dlsym(lib_, CROSSBAR_TUNER_STATS_SYMBOL));
+  ASSERT_NE(stats, nullptr);
+  CrossbarTunerStats before{}, after{};
+  stats(&before);
   void* ctx = nullptr;
   ASSERT_EQ(tuner_->init(&ctx, 1, 8, 1, nullptr, nullptr, nullptr), ncclSuccess);
   // Small allreduce: ring/LL chosen, 4 channels, nothing else touched.
@@ -102,6 +107,12 @@ TEST_F(TunerTest, TableRowsSetCostAndChannels) {
   EXPECT_EQ(call(ctx, ncclFuncReduceScatter, 100), -7);
   EXPECT_EQ(zeros(), 0);
   EXPECT_EQ(tuner_->finalize(ctx), ncclSuccess);
+  // What the GPU check reads to tell that NCCL consulted the tuner.
+  stats(&after);
+  EXPECT_EQ(after.inits - before.inits, 1u);
+  EXPECT_EQ(after.consulted - before.consulted, 6u);
+  EXPECT_EQ(after.applied - before.applied, 4u);
+  EXPECT_GE(after.rules - before.rules, 3u);
 }
 
 TEST_F(TunerTest, RowsMatchRanksAndNodes) {
@@ -154,6 +165,10 @@ class ProfilerTest : public ::testing::Test {
 
 TEST_F(ProfilerTest, CollectiveWithChannelsAndProxyStepsBecomesOneRecord) {
   EXPECT_STREQ(prof_->name, "crossbar");
+  auto stats = reinterpret_cast<crossbar_profiler_stats_fn>(dlsym(lib_, CROSSBAR_PROFILER_STATS_SYMBOL));
+  ASSERT_NE(stats, nullptr);
+  CrossbarProfilerStats before{}, after{};
+  stats(&before);
   void* ctx = nullptr;
   int mask = 0;
   ASSERT_EQ(prof_->init(&ctx, 42, &mask, "world", 1, 4, 2, nullptr), ncclSuccess);
@@ -232,6 +247,16 @@ TEST_F(ProfilerTest, CollectiveWithChannelsAndProxyStepsBecomesOneRecord) {
   EXPECT_GE(r.wait_ns, 4'000'000);
   EXPECT_LE(r.wait_ns, r.end_ns - r.start_ns);
   EXPECT_EQ(prof_->finalize(ctx), ncclSuccess);
+  // What the GPU check reads to tell that NCCL drove the profiler.
+  stats(&after);
+  EXPECT_EQ(after.inits - before.inits, 1u);
+  EXPECT_EQ(after.colls - before.colls, 1u);
+  EXPECT_EQ(after.colls_recorded - before.colls_recorded, 1u);
+  EXPECT_EQ(after.kernel_channels - before.kernel_channels, 2u);
+  EXPECT_EQ(after.proxy_ops - before.proxy_ops, 2u);
+  EXPECT_EQ(after.proxy_steps - before.proxy_steps, 4u);
+  EXPECT_EQ(after.last_bytes, 4096u);
+  EXPECT_STREQ(after.last_func, "AllReduce");
 }
 
 TEST_F(ProfilerTest, CollectiveWithoutChildrenUsesHostSpanAndP2pIsIgnored) {

@@ -90,6 +90,8 @@ TEST_F(TelemetryTest, JsonLineRoundTrips) {
   s.rank = 3, s.world_size = 8, s.step = 42, s.start_ns = 1000, s.end_ns = 5000, s.comm_ns = 700;
   s.wait_ns = 300, s.ops = 5, s.bytes = 1 << 20, s.rss_max = 123456789, s.dropped = 2;
   s.phases = {{"data_loading", 10}, {"forward", 20}};
+  s.waited_on = {{1, 250}, {3, 0}};
+  s.device_mem_max = 7 << 20;
   auto back = parseStepLine(s.toJson());
   ASSERT_TRUE(back);
   EXPECT_EQ(back->rank, 3);
@@ -100,6 +102,8 @@ TEST_F(TelemetryTest, JsonLineRoundTrips) {
   EXPECT_EQ(back->rss_max, 123456789u);
   EXPECT_EQ(back->dropped, 2u);
   EXPECT_EQ(back->phases, s.phases);
+  EXPECT_EQ(back->waited_on, s.waited_on);
+  EXPECT_EQ(back->device_mem_max, 7u << 20);
   // Torn and foreign lines are rejected, not half-parsed.
   std::string line = s.toJson();
   EXPECT_FALSE(parseStepLine(line.substr(0, line.size() / 2)));
@@ -169,6 +173,36 @@ TEST_F(TelemetryTest, AggregateSkipsIncompleteSteps) {
   EXPECT_EQ(r.steps[1].median_ns, 100);
   EXPECT_EQ(r.steps[1].straggler, 2);
   EXPECT_EQ(r.steps[1].straggler_margin_ns, 800);
+}
+
+// The straggler is who spent the most time outside communication, whether or not the
+// collectives could attribute the others' wait; last arrival is whom the others waited on;
+// device memory gets its own high-water and creep.
+TEST_F(TelemetryTest, AggregateStragglerLastArrivalAndDeviceCreep) {
+  std::vector<StepSummary> all;
+  for (int step = 0; step < 8; ++step)
+    for (int rank = 0; rank < 3; ++rank) {
+      StepSummary s;
+      s.rank = rank, s.world_size = 3, s.step = uint64_t(step), s.start_ns = 0, s.end_ns = 1000;
+      // Rank 1 computes 600 ns longer in step 5; the others sit in the collective.
+      s.comm_ns = (step == 5 && rank != 1) ? 700 : 100;
+      if (step == 5 && rank != 1) s.waited_on = {{1, 600}};
+      s.device_mem_max = rank == 2 ? uint64_t(step) * (8 << 20) : (1 << 30);
+      all.push_back(s);
+    }
+  Report r = aggregate(all);
+  ASSERT_EQ(r.steps.size(), 8u);
+  EXPECT_EQ(r.steps[5].straggler, 1);
+  EXPECT_EQ(r.steps[5].straggler_margin_ns, 600);
+  EXPECT_EQ(r.steps[5].last_arrival, 1);
+  EXPECT_EQ(r.steps[5].last_arrival_wait_ns, 1200);
+  EXPECT_EQ(r.steps[4].last_arrival, -1);
+  EXPECT_EQ(r.steps[7].device_mem_max, 1u << 30);
+  ASSERT_EQ(r.creep.size(), 3u);
+  EXPECT_TRUE(r.creep[2].device_flagged);
+  EXPECT_NEAR(r.creep[2].device_slope_bytes_per_step, 8 << 20, 1);
+  EXPECT_FALSE(r.creep[0].device_flagged);
+  EXPECT_FALSE(r.creep[2].flagged);  // host RSS flat
 }
 
 constexpr int kRanks = 4;
