@@ -33,7 +33,8 @@
 //     and NCCL windows for buffers from allocateSymmetric(). If NCCL cannot be created
 //     (e.g. it refuses two ranks on one GPU) the call raises NcclError saying so.
 // Selection per call: CollOptions::algorithm, then CROSSBAR_ALGO, then the table
-// (crossbar-info prints the cuda rows); CollOptions::timeout bounds the Work's waits.
+// (crossbar-info prints the cuda rows); CollOptions::timeout bounds the host-side waits
+// inside the call (CudaCollectivesOptions::timeout when 0).
 //
 // Errors: InvalidArgument for bad arguments (before anything is enqueued), Unsupported
 // without a CUDA driver/device, CudaError / NcclError naming the call, Timeout from
@@ -65,7 +66,9 @@ struct CudaCollectivesOptions {
   bool symmetric_heap = true;        // false: never use the heap algorithms (NCCL only)
   bool nccl_cta_policy_zero = true;  // NCCL communicator with NCCL_CTA_POLICY_ZERO
   size_t initial_staging_bytes = 0;  // staging per rank allocated up front (0: on first use)
-  Millis timeout{0};                 // default Work deadline; 0: the communicator's timeout
+  // Host-side waits inside a call (staging growth, alltoallv exchange, NCCL creation);
+  // 0: the communicator's timeout. Work::wait() without a deadline uses CROSSBAR_TIMEOUT.
+  Millis timeout{0};
 };
 
 class CudaCollectives {

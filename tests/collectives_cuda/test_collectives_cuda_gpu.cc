@@ -534,7 +534,7 @@ TEST_F(CudaCollGpu, NcclTwoRanksOnOneGpuFailsClearly) {
   runRanks(2, [](RankEnv& env) {
     CUDA_OK(cudaSetDevice(0));
     CommOptions co;
-    co.timeout = Millis(20'000);
+    co.timeout = Millis(10'000);
     auto comm = env.communicator(co);
     CudaCollectives cc(comm);
     cudaStream_t s;
