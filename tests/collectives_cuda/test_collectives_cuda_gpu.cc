@@ -36,7 +36,7 @@ using testing::runRanks;
   } while (0)
 
 Deadline kWait() {
-  return Deadline::after(Millis(30'000));
+  return Deadline::after(Millis(15'000));  // one operation; a hang shows as a Timeout naming it
 }
 
 // ---- values: encode/decode every type through the shared conversions ----------------------
@@ -151,6 +151,13 @@ void upload(void* dev, const std::vector<uint8_t>& b) {
   if (b.empty()) return;
   ASSERT_EQ(cudaMemcpy(dev, b.data(), b.size(), cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // pageable H2D may return before the DMA lands
+}
+
+// A hung rank is killed well before the binary's budget runs out.
+RunOptions bounded() {
+  RunOptions o;
+  o.timeout = Millis(50'000);
+  return o;
 }
 
 class CudaCollGpu : public ::testing::Test {
@@ -449,116 +456,126 @@ void pipelineAndSymmetric(RankEnv& env) {
 }
 
 TEST_F(CudaCollGpu, ReductionsTwoRanks) {
-  runRanks(2, [](RankEnv& env) { reductions(env, true); });
+  runRanks(
+      2, [](RankEnv& env) { reductions(env, true); }, bounded());
 }
 TEST_F(CudaCollGpu, ReductionsFourRanks) {
-  runRanks(4, [](RankEnv& env) { reductions(env, false); });
+  runRanks(
+      4, [](RankEnv& env) { reductions(env, false); }, bounded());
 }
 TEST_F(CudaCollGpu, CopyEngineTwoRanks) {
-  runRanks(2, copies);
+  runRanks(2, copies, bounded());
 }
 TEST_F(CudaCollGpu, CopyEngineFourRanks) {
-  runRanks(4, copies);
+  runRanks(4, copies, bounded());
 }
 TEST_F(CudaCollGpu, PipelineAndSymmetricFourRanks) {
-  runRanks(4, pipelineAndSymmetric);
+  runRanks(4, pipelineAndSymmetric, bounded());
 }
 
 // NCCL with one rank (NCCL allows one rank per GPU): every collective forced to NCCL,
 // a symmetric buffer registered as a window, and the heap switched off entirely.
 TEST_F(CudaCollGpu, NcclSingleRank) {
-  runRanks(1, [](RankEnv& env) {
-    CUDA_OK(cudaSetDevice(0));
-    auto comm = env.communicator();
-    CudaCollectivesOptions opt;
-    opt.symmetric_heap = false;  // selection falls back to NCCL for every call
-    CudaCollectives cc(comm, opt);
-    EXPECT_NE(cc.heapUnavailableReason(), "");
-    cudaStream_t s;
-    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    const size_t count = 1001;
-    for (DataType t : {DataType::kFloat32, DataType::kBFloat16, DataType::kFloat8E4M3, DataType::kInt32}) {
-      DevBuf in(count * 4), out(count * 4);
-      upload(in.p, encodeInput(t, 0, count, 7));
-      WorkPtr w = cc.allreduce(in.p, out.p, count, t, ReduceOp::kSum, s);
-      EXPECT_NE(w->description().find("nccl"), std::string::npos) << w->description();
-      w->wait(kWait());
-      expectDevice(
-          out.p, t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, 1, i, 7); },
-          std::string("nccl allreduce ") + dataTypeName(t));
-      cc.allgather(in.p, out.p, count, t, s)->wait(kWait());
-      expectDevice(
-          out.p, t, count, [&](size_t i) { return inputValue(t, 0, i, 7); },
-          std::string("nccl allgather ") + dataTypeName(t));
-    }
-    EXPECT_TRUE(cc.ncclCreated());
-    const DataType t = DataType::kFloat32;
-    DevBuf in(count * 4), out(count * 4);
-    upload(in.p, encodeInput(t, 0, count, 8));
-    CollOptions pm;
-    pm.premul_scalar = 2.0;
-    cc.allreduce(in.p, out.p, count, t, ReduceOp::kPreMulSum, s, pm)->wait(kWait());
-    expectDevice(
-        out.p, t, count, [&](size_t i) { return 2.0 * inputValue(t, 0, i, 8); }, "nccl premulsum");
-    cc.alltoallv(in.p, {5}, {2}, out.p, {5}, {0}, t, s)->wait(kWait());
-    expectDevice(
-        out.p, t, 5, [&](size_t i) { return inputValue(t, 0, i + 2, 8); }, "nccl alltoallv");
-    cc.broadcast(in.p, count, t, 0, s)->wait(kWait());
-    cc.reduceScatter(in.p, out.p, count, t, ReduceOp::kMax, s)->wait(kWait());
-    expectDevice(
-        out.p, t, count, [&](size_t i) { return inputValue(t, 0, i, 8); }, "nccl reduce_scatter");
-    cc.barrier(s)->wait(kWait());
-    CUDA_OK(cudaStreamDestroy(s));
+  runRanks(
+      1,
+      [](RankEnv& env) {
+        CUDA_OK(cudaSetDevice(0));
+        auto comm = env.communicator();
+        CudaCollectivesOptions opt;
+        opt.symmetric_heap = false;  // selection falls back to NCCL for every call
+        CudaCollectives cc(comm, opt);
+        EXPECT_NE(cc.heapUnavailableReason(), "");
+        cudaStream_t s;
+        CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        const size_t count = 1001;
+        for (DataType t :
+             {DataType::kFloat32, DataType::kBFloat16, DataType::kFloat8E4M3, DataType::kInt32}) {
+          DevBuf in(count * 4), out(count * 4);
+          upload(in.p, encodeInput(t, 0, count, 7));
+          WorkPtr w = cc.allreduce(in.p, out.p, count, t, ReduceOp::kSum, s);
+          EXPECT_NE(w->description().find("nccl"), std::string::npos) << w->description();
+          w->wait(kWait());
+          expectDevice(
+              out.p, t, count, [&](size_t i) { return reference(t, ReduceOp::kSum, 1, i, 7); },
+              std::string("nccl allreduce ") + dataTypeName(t));
+          cc.allgather(in.p, out.p, count, t, s)->wait(kWait());
+          expectDevice(
+              out.p, t, count, [&](size_t i) { return inputValue(t, 0, i, 7); },
+              std::string("nccl allgather ") + dataTypeName(t));
+        }
+        EXPECT_TRUE(cc.ncclCreated());
+        const DataType t = DataType::kFloat32;
+        DevBuf in(count * 4), out(count * 4);
+        upload(in.p, encodeInput(t, 0, count, 8));
+        CollOptions pm;
+        pm.premul_scalar = 2.0;
+        cc.allreduce(in.p, out.p, count, t, ReduceOp::kPreMulSum, s, pm)->wait(kWait());
+        expectDevice(
+            out.p, t, count, [&](size_t i) { return 2.0 * inputValue(t, 0, i, 8); }, "nccl premulsum");
+        cc.alltoallv(in.p, {5}, {2}, out.p, {5}, {0}, t, s)->wait(kWait());
+        expectDevice(
+            out.p, t, 5, [&](size_t i) { return inputValue(t, 0, i + 2, 8); }, "nccl alltoallv");
+        cc.broadcast(in.p, count, t, 0, s)->wait(kWait());
+        cc.reduceScatter(in.p, out.p, count, t, ReduceOp::kMax, s)->wait(kWait());
+        expectDevice(
+            out.p, t, count, [&](size_t i) { return inputValue(t, 0, i, 8); }, "nccl reduce_scatter");
+        cc.barrier(s)->wait(kWait());
+        CUDA_OK(cudaStreamDestroy(s));
 
-    // With the heap on: a symmetric buffer becomes an NCCL window (CTA policy zero).
-    CudaCollectives cc2(comm);
-    cudaStream_t s2;
-    CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-    CollOptions o;
-    o.algorithm = "nccl";
-    cc2.barrier(s2, o)->wait(kWait());  // creates NCCL
-    auto sym = cc2.allocateSymmetric(count * 4);
-    upload(sym->localPtr(), encodeInput(t, 0, count, 9));
-    cc2.allreduce(sym->localPtr(), sym->localPtr(), count, t, ReduceOp::kSum, s2, o)->wait(kWait());
-    expectDevice(
-        sym->localPtr(), t, count, [&](size_t i) { return inputValue(t, 0, i, 9); },
-        "nccl allreduce on a window");
-    sym.reset();
-    CUDA_OK(cudaStreamDestroy(s2));
-  });
+        // With the heap on: a symmetric buffer becomes an NCCL window (CTA policy zero).
+        CudaCollectives cc2(comm);
+        cudaStream_t s2;
+        CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+        CollOptions o;
+        o.algorithm = "nccl";
+        cc2.barrier(s2, o)->wait(kWait());  // creates NCCL
+        auto sym = cc2.allocateSymmetric(count * 4);
+        upload(sym->localPtr(), encodeInput(t, 0, count, 9));
+        cc2.allreduce(sym->localPtr(), sym->localPtr(), count, t, ReduceOp::kSum, s2, o)->wait(kWait());
+        expectDevice(
+            sym->localPtr(), t, count, [&](size_t i) { return inputValue(t, 0, i, 9); },
+            "nccl allreduce on a window");
+        sym.reset();
+        CUDA_OK(cudaStreamDestroy(s2));
+      },
+      bounded());
 }
 
 // NCCL refuses two ranks on one GPU: the error must say so (if a future NCCL accepts
 // it, the result must simply be right).
 TEST_F(CudaCollGpu, NcclTwoRanksOnOneGpuFailsClearly) {
-  runRanks(2, [](RankEnv& env) {
-    CUDA_OK(cudaSetDevice(0));
-    CommOptions co;
-    co.timeout = Millis(10'000);
-    auto comm = env.communicator(co);
-    CudaCollectives cc(comm);
-    cudaStream_t s;
-    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    DevBuf in(64), out(64);
-    upload(in.p, encodeInput(DataType::kFloat32, comm->rank(), 16, 1));
-    CollOptions o;
-    o.algorithm = "nccl";
-    try {
-      cc.allreduce(in.p, out.p, 16, DataType::kFloat32, ReduceOp::kSum, s, o)->wait(kWait());
-      expectDevice(
-          out.p, DataType::kFloat32, 16,
-          [&](size_t i) { return reference(DataType::kFloat32, ReduceOp::kSum, 2, i, 1); }, "nccl 2 ranks");
-    } catch (const NcclError& e) {
-      EXPECT_NE(std::string(e.what()).find("one rank per GPU"), std::string::npos) << e.what();
-      // The heap algorithms keep working after NCCL failed to come up.
-      cc.allreduce(in.p, out.p, 16, DataType::kFloat32, ReduceOp::kSum, s)->wait(kWait());
-      expectDevice(
-          out.p, DataType::kFloat32, 16,
-          [&](size_t i) { return reference(DataType::kFloat32, ReduceOp::kSum, 2, i, 1); },
-          "heap allreduce after NCCL failed");
-    }
-    CUDA_OK(cudaStreamDestroy(s));
-  });
+  runRanks(
+      2,
+      [](RankEnv& env) {
+        CUDA_OK(cudaSetDevice(0));
+        CommOptions co;
+        co.timeout = Millis(10'000);
+        auto comm = env.communicator(co);
+        CudaCollectives cc(comm);
+        cudaStream_t s;
+        CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        DevBuf in(64), out(64);
+        upload(in.p, encodeInput(DataType::kFloat32, comm->rank(), 16, 1));
+        CollOptions o;
+        o.algorithm = "nccl";
+        try {
+          cc.allreduce(in.p, out.p, 16, DataType::kFloat32, ReduceOp::kSum, s, o)->wait(kWait());
+          expectDevice(
+              out.p, DataType::kFloat32, 16,
+              [&](size_t i) { return reference(DataType::kFloat32, ReduceOp::kSum, 2, i, 1); },
+              "nccl 2 ranks");
+        } catch (const NcclError& e) {
+          EXPECT_NE(std::string(e.what()).find("one rank per GPU"), std::string::npos) << e.what();
+          // The heap algorithms keep working after NCCL failed to come up.
+          cc.allreduce(in.p, out.p, 16, DataType::kFloat32, ReduceOp::kSum, s)->wait(kWait());
+          expectDevice(
+              out.p, DataType::kFloat32, 16,
+              [&](size_t i) { return reference(DataType::kFloat32, ReduceOp::kSum, 2, i, 1); },
+              "heap allreduce after NCCL failed");
+        }
+        CUDA_OK(cudaStreamDestroy(s));
+      },
+      bounded());
 }
 
 }  // namespace
