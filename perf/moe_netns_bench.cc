@@ -11,7 +11,8 @@
 //
 //   moe_netns_bench [--nodes 2] [--ranks-per-node 2] [--tokens 512] [--hidden 7168]
 //                   [--experts 256] [--topk 8] [--max-nodes M] [--formats native,fp8]
-//                   [--rate auto|<tc rate, e.g. 2gbit>] [--iters 5] [--warmup 1] [--no-netns]
+//                   [--rate auto|<tc rate, e.g. 2gbit>] [--iters 5] [--warmup 1]
+//                   [--combine-wire bf16|f32] [--no-netns]
 //
 // Every run first checks that both paths deliver the same tokens (bit for bit) and the same
 // combine sums (f32 tolerance); a mismatch exits 1. Times are the slowest rank's mean.
@@ -51,6 +52,7 @@ struct Options {
   int nodes = 2, ranks_per_node = 2, experts = 256, topk = 8, max_nodes = -1, iters = 5, warmup = 1;
   size_t tokens = 512, hidden = 7168;
   std::string rate = "auto";
+  DataType combine_wire = DataType::kBFloat16;  // two-level combine's partials on the network
   bool netns = true;
   std::vector<PayloadFormat> formats{PayloadFormat::kNative, PayloadFormat::kFp8};
 };
@@ -435,8 +437,9 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
   };
   const int E = o.experts;
   print(fmt::format("# moe_netns_bench: {} nodes x {} ranks, {}; {} experts, top-{}, max nodes/token {}, "
-                    "{} tokens/rank, hidden {}\n",
-                    comm->numNodes(), comm->localSize(), link, E, o.topk, o.max_nodes, o.tokens, o.hidden));
+                    "{} tokens/rank, hidden {}, two-level combine partials {}\n",
+                    comm->numNodes(), comm->localSize(), link, E, o.topk, o.max_nodes, o.tokens, o.hidden,
+                    o.combine_wire == DataType::kFloat32 ? "f32" : "bf16"));
   print(fmt::format("# {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10} {:>10}\n", "format", "2l disp",
                     "2l comb", "2l total", "flat disp", "flat comb", "flat total", "speedup", "2l net MB", "flat MB"));
   print("# (times in ms, slowest rank's mean; net MB: inter-node bytes per rank, dispatch + combine)\n");
@@ -459,9 +462,14 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     cfg.topk = o.topk;
     cfg.num_experts = E;
     cfg.format = f;
-    auto buf = MoeBuffer::create(comm, cfg);
     FlatAllToAll flat(comm, cfg);
-    std::string err = check(cfg, *buf, flat, x, routing, me);
+    std::string err;
+    {
+      auto exact = MoeBuffer::create(comm, cfg);  // f32 partials: comparable to 1e-4
+      err = check(cfg, *exact, flat, x, routing, me);
+    }
+    cfg.combine_wire = o.combine_wire;
+    auto buf = MoeBuffer::create(comm, cfg);
     if (!err.empty()) std::fprintf(stderr, "moe_netns_bench: MISMATCH (%s): %s\n", payloadFormatName(f), err.c_str());
     if (maxOf(err.empty() ? 0.0 : 1.0) > 0) {
       ++failures;
@@ -568,7 +576,11 @@ int main(int argc, char** argv) {
         o.warmup = std::max(0, std::stoi(next()));
       else if (a == "--rate")
         o.rate = next();
-      else if (a == "--no-netns")
+      else if (a == "--combine-wire") {
+        std::string w = next();
+        if (w != "bf16" && w != "f32") throw InvalidArgument("--combine-wire: bf16 or f32");
+        o.combine_wire = w == "f32" ? DataType::kFloat32 : DataType::kBFloat16;
+      } else if (a == "--no-netns")
         o.netns = false;
       else if (a == "--formats") {
         o.formats.clear();
@@ -586,7 +598,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr,
                      "usage: %s [--nodes N] [--ranks-per-node L] [--tokens T] [--hidden H] [--experts E] "
                      "[--topk k] [--max-nodes M] [--formats bf16,fp8,mxfp8] [--rate auto|2gbit] [--iters n] "
-                     "[--warmup n] [--no-netns]\n",
+                     "[--warmup n] [--combine-wire bf16|f32] [--no-netns]\n",
                      argv[0]);
         return a == "--help" || a == "-h" ? 0 : 2;
       }

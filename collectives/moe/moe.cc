@@ -168,6 +168,8 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
   if (cfg.dtype != DataType::kBFloat16 && cfg.dtype != DataType::kFloat32)
     throw InvalidArgument(im->ctx(op) + "tokens must be bfloat16 or float32");
   if (cfg.max_tokens > (size_t{1} << 30)) throw InvalidArgument(im->ctx(op) + "max_tokens is too large");
+  if (cfg.combine_wire != DataType::kFloat32 && cfg.combine_wire != DataType::kBFloat16)
+    throw InvalidArgument(im->ctx(op) + "combine_wire must be float32 or bfloat16");
   im->epr = cfg.num_experts / im->R;
 
   // Nodes in order of their first rank; every node must have the same number of ranks
@@ -671,15 +673,19 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   }
 
   // Source side: the partial sums of each remote node come back in chunks of our chunk size.
-  std::vector<std::vector<float>> back(im.N);
+  // Partials cross the network as f32, or bf16 with combine_wire = kBFloat16 (half the bytes,
+  // one rounding of each node's partial sum; the source still sums in f32).
+  const bool wire16 = im.cfg.combine_wire == DataType::kBFloat16;
+  const size_t ws = wire16 ? 2 : 4;
+  std::vector<std::vector<uint8_t>> back(im.N);
   std::vector<std::vector<RequestPtr>> recvs(im.N);
   for (int m = 0; m < im.N; ++m) {
     const size_t count = h.node_send[m].size();
     if (m == im.me_node || count == 0) continue;
-    back[m].resize(count * H);
+    back[m].resize(count * H * ws);
     for (size_t lo = 0, c = 0; lo < count; lo += h.chunk, ++c) {
       const size_t rows = std::min(h.chunk, count - lo);
-      recvs[m].push_back(im.comm->irecv(back[m].data() + lo * H, rows * H * sizeof(float),
+      recvs[m].push_back(im.comm->irecv(back[m].data() + lo * H * ws, rows * H * ws,
                                         im.node_ranks[m][im.me_local], tag + static_cast<uint32_t>(c)));
     }
   }
@@ -707,6 +713,7 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
     }
   }
   std::vector<float> acc(nf * H, 0.0f);
+  std::vector<uint8_t> acc16(wire16 ? nf * H * 2 : 0);
   auto reduce = [&](size_t i) {
     float* a = acc.data() + i * H;
     for (size_t q = first[i]; q < first[i + 1]; ++q)
@@ -723,9 +730,15 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
       if (m == im.me_node || lo >= count) continue;
       const size_t hi = std::min(count, lo + cm);
       for (size_t i = lo; i < hi; ++i) reduce(h.fwd_start[m] + i);
-      sends.push_back(im.comm->isend(acc.data() + (h.fwd_start[m] + lo) * H, (hi - lo) * H * sizeof(float),
+      const void* src = acc.data() + (h.fwd_start[m] + lo) * H;
+      if (wire16) {
+        auto* b = reinterpret_cast<BFloat16*>(acc16.data()) + (h.fwd_start[m] + lo) * H;
+        for (size_t e = 0; e < (hi - lo) * H; ++e) b[e] = BFloat16::fromFloat(acc[(h.fwd_start[m] + lo) * H + e]);
+        src = b;
+      }
+      sends.push_back(im.comm->isend(src, (hi - lo) * H * ws,
                                      im.node_ranks[m][im.me_local], tag + static_cast<uint32_t>(c)));
-      res.metrics.inter_node_bytes += (hi - lo) * H * sizeof(float);
+      res.metrics.inter_node_bytes += (hi - lo) * H * ws;
       pump(sends);
     }
   for (size_t i = 0; i < h.fwd_count[im.me_node]; ++i) {
@@ -743,11 +756,17 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   res.out.assign(h.tokens * H, 0.0f);
   for (int m = 0; m < im.N; ++m) {
     const auto& list = h.node_send[m];
-    const float* src = m == im.me_node ? acc.data() + h.fwd_start[m] * H : back[m].data();
+    const bool own = m == im.me_node;
     for (size_t i = 0; i < list.size(); ++i) {
-      if (m != im.me_node && i % h.chunk == 0) recvs[m][i / h.chunk]->wait(dl);
+      if (!own && i % h.chunk == 0) recvs[m][i / h.chunk]->wait(dl);
       float* o = res.out.data() + static_cast<size_t>(list[i]) * H;
-      for (size_t c = 0; c < H; ++c) o[c] += src[i * H + c];
+      if (own || !wire16) {
+        const float* s = own ? acc.data() + (h.fwd_start[m] + i) * H : reinterpret_cast<const float*>(back[m].data()) + i * H;
+        for (size_t c = 0; c < H; ++c) o[c] += s[c];
+      } else {
+        const auto* s = reinterpret_cast<const BFloat16*>(back[m].data()) + i * H;
+        for (size_t c = 0; c < H; ++c) o[c] += s[c].toFloat();
+      }
     }
   }
   im.comm->waitAll(sends, dl);

@@ -56,6 +56,9 @@ struct MoeConfig {
   // of chunk k (dispatch) and the reduction of chunk k+1 overlaps chunk k's network transfer
   // (combine). 0: one chunk; -1: CROSSBAR_MOE_CHUNK_TOKENS. Results do not depend on it.
   int64_t chunk_tokens = -1;
+  // Type of combine's partial sums on the network: kFloat32 (exact f32 sums) or kBFloat16
+  // (DeepEP's choice: half the bytes, each node's partial rounded once to bf16).
+  DataType combine_wire = DataType::kFloat32;
   Millis timeout{0};  // 0: the communicator's
 };
 

@@ -113,7 +113,27 @@ void body(RankEnv& env) {
     cfg.chunk_tokens = 1 + me % 3;  // senders and receivers need not agree
     expectSame(whole, runOnce(comm, cfg, tokens, x, routing), "per-rank chunk");
   }
+  // bf16 partial sums on the network: still independent of the chunking, and within one
+  // bf16 rounding per node partial (|partial| < 40 here) of the f32 wire's sums.
+  cfg.format = PayloadFormat::kNative;
+  cfg.return_quantized = false;
+  cfg.chunk_tokens = 0;
+  const Outcome exact = runOnce(comm, cfg, tokens, x, routing);
+  cfg.combine_wire = DataType::kBFloat16;
+  const Outcome half = runOnce(comm, cfg, tokens, x, routing);
+  cfg.chunk_tokens = 3;
+  expectSame(half, runOnce(comm, cfg, tokens, x, routing), "bf16 wire, chunked");
+  ASSERT_EQ(half.combined.size(), exact.combined.size());
+  for (size_t i = 0; i < exact.combined.size(); ++i)
+    ASSERT_NEAR(half.combined[i], exact.combined[i], comm->numNodes() * 40.0 / 256) << "element " << i;
+  if (comm->numNodes() == 1) {
+    EXPECT_EQ(half.combined, exact.combined);  // nothing crosses a network
+  }
+
   MoeConfig bad = cfg;
+  bad.combine_wire = DataType::kFloat16;
+  EXPECT_THROW(MoeBuffer::create(comm, bad), InvalidArgument);
+  bad = cfg;
   bad.chunk_tokens = -2;
   EXPECT_THROW(MoeBuffer::create(comm, bad), InvalidArgument);
 }
