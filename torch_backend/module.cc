@@ -57,6 +57,8 @@ void translate(std::exception_ptr p) {
 
 }  // namespace
 
+void bindTelemetry(py::module_& m);  // bind_telemetry.cc
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "crossbar's torch.distributed backend (C++ part)";
   // c10d's Python types (Backend, Store, Work) must be registered before ours derive from them.
@@ -85,6 +87,7 @@ PYBIND11_MODULE(_C, m) {
       .def("shutdown", &CrossbarBackend::shutdown, py::call_guard<py::gil_scoped_release>())
       .def("set_timeout", &CrossbarBackend::setTimeout);
 
+  bindTelemetry(m);
   m.def("_build_info", [] {
     py::dict d;
     d["version"] = CROSSBAR_VERSION;
