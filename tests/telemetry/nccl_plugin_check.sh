@@ -5,7 +5,8 @@
 # its own copy of the telemetry core), then runs NCCL allreduces with
 # NCCL_PROFILER_PLUGIN / NCCL_TUNER_PLUGIN set and checks what the plugins saw.
 #
-# usage: tests/telemetry/nccl_plugin_check.sh [--build-only]
+# usage: tests/telemetry/nccl_plugin_check.sh [--build-only | --no-build]
+#   --no-build  run what an earlier --build-only left in $OUT/bin (carried prebuilt)
 #   env: CUDA_HOME (default /usr/local/cuda), NCCL_HOME (nccl.h/libnccl.so when they are
 #        not in CUDA_HOME or /usr), CXX (default g++), OUT (logs + build; default
 #        build-nccl-plugin-check/)
@@ -25,7 +26,11 @@ if ! echo '#include <fmt/format.h>' | "$CXX" -std=c++20 -E -x c++ - >/dev/null 2
 fi
 flags=(-std=c++20 -O2 -g -Wall -Wextra -fPIC -DFMT_HEADER_ONLY "${fmt[@]}")
 
+MODE=${1:-}
 set -e
+if [ "$MODE" = "--no-build" ]; then
+  echo "[nccl_plugin_check] using prebuilt $BIN"
+else
 echo "[nccl_plugin_check] building in $BIN"
 # Profiler: the plugin + the telemetry core + the three comm sources it uses, one .so
 # exporting only ncclProfiler_v5 and the stats function.
@@ -41,7 +46,8 @@ for so in "$BIN"/libnccl-*-crossbar.so; do
   exported=$(nm -D --defined-only "$so" | awk '{print $3}' | grep -v '^_' | sort | tr '\n' ' ')
   echo "  $(basename "$so") exports: $exported"
 done
-[ "${1:-}" = "--build-only" ] && exit 0
+fi
+[ "$MODE" = "--build-only" ] && exit 0
 set +e
 
 cat > "$OUTDIR/tuning.csv" <<'CSV'
