@@ -63,8 +63,9 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 def enable(dir: Optional[str] = None, rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
-    """Starts recording; ``dir`` (default CROSSBAR_TELEMETRY_DIR, else in memory only)
-    receives ``rank<r>.jsonl``, truncated: a fresh run starts a fresh file."""
+    """Starts recording. ``dir`` (default: CROSSBAR_TELEMETRY_DIR, itself defaulting to
+    ./crossbar-telemetry; "" keeps the summaries in memory only) receives ``rank<r>.jsonl``,
+    truncated: a fresh run starts a fresh file."""
     r, w = _rank_and_world()
     if dir is None:
         dir = _t.config()["dir"]
