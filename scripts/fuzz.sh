@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 
 seconds=${1:-30}
 shift || true
-all_targets=(store_server store_reply env_parse rankinfo bootstrap)
+all_targets=(store_server store_reply env_parse rankinfo bootstrap moe_layout)
 targets=("$@")
 ((${#targets[@]})) || targets=("${all_targets[@]}")
 dir=${FUZZ_BUILD_DIR:-build-fuzz}
