@@ -10,9 +10,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstring>
 #include <map>
+#include <thread>
 
 #include "collectives/cuda/cuda_collectives.h"
 #include "comm/communicator.h"
@@ -59,6 +61,8 @@ class CudaBackend : public RunBackend {
   ~CudaBackend() override {
     // Bounded: everything was completed by the driver; a failed run leaves its errors to the caller.
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    if (done_) cudaEventDestroy(done_);
+    if (staging_) cudaFree(staging_);
     symmetric_.clear();
     cc_.reset();
     if (own_stream_) cudaStreamDestroy(stream_);
@@ -90,15 +94,15 @@ class CudaBackend : public RunBackend {
   }
   void zero(void* dst, size_t bytes) override {
     check(cudaMemsetAsync(dst, 0, bytes, stream_), "cudaMemsetAsync", rank_);
-    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", rank_);
+    syncStream("cudaMemsetAsync");
   }
   void upload(void* dst, const void* host, size_t bytes) override {
     check(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync H2D", rank_);
-    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", rank_);
+    syncStream("the input upload");
   }
   void download(void* host, const void* src, size_t bytes) override {
     check(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync D2H", rank_);
-    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", rank_);
+    syncStream("the result download");
   }
   bool hostAccessible() const override { return false; }
 
@@ -108,7 +112,7 @@ class CudaBackend : public RunBackend {
     // Every operation runs in order on stream_: the last one's completion covers all.
     if (last_) last_->wait(Deadline::after(timeout_));
     last_.reset();
-    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", rank_);
+    syncStream("the collectives");  // and the driver's own copies around them
   }
 
   void mark() override {
@@ -198,6 +202,24 @@ class CudaBackend : public RunBackend {
     throw InvalidUsage(fmt::format("perf: {} has no --mem cuda implementation", name));
   }
 
+  // Waits for everything queued on stream_, polling an event so the wait has a deadline.
+  void syncStream(const char* what) {
+    if (!done_) check(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate", rank_);
+    check(cudaEventRecord(done_, stream_), "cudaEventRecord", rank_);
+    const Deadline deadline = Deadline::after(timeout_);
+    for (int spins = 0;; ++spins) {
+      const cudaError_t e = cudaEventQuery(done_);
+      if (e == cudaSuccess) return;
+      if (e != cudaErrorNotReady) check(e, "cudaEventQuery", rank_);
+      if (deadline.expired())
+        throw Timeout(
+            fmt::format("perf: rank {} on {}: {} did not finish on the GPU within {} ms; a peer may "
+                        "have failed (see its output) or the GPU is hung",
+                        rank_, hostName(), what, timeout_.count()));
+      if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
   void* staging(size_t bytes) {
     if (bytes > staging_bytes_) {
       if (staging_) cudaFree(staging_);
@@ -220,6 +242,7 @@ class CudaBackend : public RunBackend {
   std::map<char*, std::shared_ptr<symm::SymmetricBuffer>> symmetric_;
   WorkPtr last_;
   std::vector<cudaEvent_t> events_;
+  cudaEvent_t done_ = nullptr;
   size_t marks_ = 0;
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;

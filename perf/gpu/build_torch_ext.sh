@@ -64,7 +64,13 @@ INCS="-I$ROOT -I$PREBUILT/include -isystem $ROOT/third_party/fmt/include -isyste
 [ -d "$CUDA_HOME/include" ] && INCS="$INCS -isystem $CUDA_HOME/include"
 CXXFLAGS="-std=c++20 -O2 -g0 -fPIC -fvisibility=hidden -Wall -Wextra $DEFS $PYBIND_FLAGS"
 
-SRCS=$(ls "$ROOT"/torch_backend/*.cc)
+# The extension's sources as torch_backend/CMakeLists.txt lists them (else every .cc there).
+SRCS=""
+for f in $(sed -n 's/.*Python3_add_library(crossbar_torch_ext MODULE WITH_SOABI \([^)]*\)).*/\1/p' \
+    "$ROOT/torch_backend/CMakeLists.txt"); do
+  SRCS="$SRCS $ROOT/torch_backend/$f"
+done
+[ -n "$SRCS" ] || SRCS=$(ls "$ROOT"/torch_backend/*.cc)
 echo "compiling $(echo $SRCS | wc -w) sources with $JOBS jobs"
 pids=() objs=()
 for s in $SRCS; do
