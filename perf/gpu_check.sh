@@ -15,7 +15,8 @@
 #   torch      perf/gpu/build_torch_ext.sh builds crossbar._C against THIS machine's torch,
 #              then pytest tests/python -k cuda
 #   sanitizer  compute-sanitizer memcheck + racecheck on the selftest kernels
-# Logs and JSON results go to $OUT (or build-gpu-check-logs/).
+# Logs and JSON results go to $OUT (or build-gpu-check-logs/). GPU_CHECK_BUILD_S (120) and
+# GPU_CHECK_TORCH_BUILD_S (150) bound the two builds (raise them on a slow machine).
 #
 # usage: perf/gpu_check.sh [--prebuilt DIR] [--only STAGE,...] [--skip STAGE,...] [--build-only]
 #   --prebuilt DIR  default build-gpu-prebuilt when it exists (perf/gpu/prepare_prebuilt.sh)
@@ -68,13 +69,14 @@ note "root $ROOT, logs $LOG, budget ${BUDGET}s, prebuilt ${PREBUILT:-none}"
 { timeout 20 nvidia-smi || true; timeout 10 nvidia-smi topo -m || true; } > "$LOG/nvidia-smi.txt" 2>&1
 head -12 "$LOG/nvidia-smi.txt"
 [ -n "$PREBUILT" ] && [ -f "$PREBUILT/MANIFEST" ] && { echo "prebuilt MANIFEST:"; sed 's/^/  /' "$PREBUILT/MANIFEST"; }
-export LD_LIBRARY_PATH=${PREBUILT:+$PREBUILT/lib:}${LD_LIBRARY_PATH:-}
 
 # ---- toolchain --------------------------------------------------------------------------
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 NVCC=""
 if [ -x "$CUDA_HOME/bin/nvcc" ]; then NVCC=$CUDA_HOME/bin/nvcc; elif command -v nvcc >/dev/null; then
   NVCC=$(command -v nvcc); CUDA_HOME=$(dirname "$(dirname "$NVCC")"); fi
+# Prebuilt binaries: their own libraries first, then this machine's CUDA runtime.
+export LD_LIBRARY_PATH=${PREBUILT:+$PREBUILT/lib:}$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 CXX=${CXX:-g++}
 command -v "$CXX" >/dev/null || CXX=""
 JOBS=$(nproc 2>/dev/null || echo 4)
@@ -270,7 +272,7 @@ fi
 
 # ---- torch extension against this machine's torch, then the CUDA pytest ------------------------
 if want torch; then
-  lim=$(limit 150)
+  lim=$(limit "${GPU_CHECK_TORCH_BUILD_S:-150}")
   if ! python3 -c 'import torch' 2>/dev/null; then
     record "torch build" SKIP "python3 cannot import torch"
   elif [ -z "$PREBUILT" ]; then

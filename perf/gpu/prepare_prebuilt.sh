@@ -43,7 +43,7 @@ grep -q '^CROSSBAR_WITH_CUDA:STRING=\(ON\|AUTO\)' "$BUILD/CMakeCache.txt" ||
 # What to build: every test_*_gpu target, the perf binaries, the GPU tools.
 ALL_TARGETS=$(ninja -C "$BUILD" -t targets all | sed -n 's/^\([A-Za-z0-9_]*\): phony$/\1/p')
 GTESTS=$(grep -E '^test_[a-z0-9_]+_gpu$' <<<"$ALL_TARGETS" || true)
-TOOLS=$(grep -E '^(gpu_selftest|ce_bandwidth|matmul_overlap|[a-z_]+_perf)$' <<<"$ALL_TARGETS" || true)
+TOOLS=$(grep -E '^(gpu_selftest|ce_bandwidth|matmul_overlap|[a-z_]+_perf)$' <<<"$ALL_TARGETS" | grep -v '^cmake_' || true)
 TARGETS=$(echo $GTESTS $TOOLS)
 [ -n "$GTESTS" ] || { echo "$0: no test_*_gpu targets in $BUILD (CUDA not found at configure?)" >&2; exit 1; }
 if [ $DO_BUILD = 1 ]; then
