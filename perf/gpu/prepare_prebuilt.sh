@@ -59,13 +59,14 @@ for t in $TARGETS; do
   cp "$BUILD/bin/$t" "$OUT/bin/"
 done
 # The GPU machine's own: CUDA, NCCL, cuBLAS, the C/C++ runtime.
-SYSTEM='^(linux-vdso|ld-linux|libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcuda|libcudart|libnccl|libcublas|libcublasLt|libnvidia)'
+SYSTEM='^(linux-vdso|ld-linux-[a-z0-9_-]*|libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcuda|libcudart|libnccl|libcublas|libcublasLt|libnvidia-[a-z0-9_-]*)\.so'
 for f in "$OUT"/bin/*; do
   ldd "$f" | awk '/=> \//{print $1, $3}' | while read -r name path; do
     grep -qE "$SYSTEM" <<<"$name" && continue
     [ -e "$OUT/lib/$name" ] || cp -L "$path" "$OUT/lib/$name"
   done
 done
+ls "$OUT/lib"/libcrossbar_comm.so* >/dev/null 2>&1 || { echo "$0: libcrossbar_comm was not collected" >&2; exit 1; }
 # Debug info is most of the size; symbols stay for backtraces.
 strip --strip-debug "$OUT"/bin/* "$OUT"/lib/*
 cp "$(find "$BUILD" -name crossbar_build_info.h -path '*generated*' | head -1)" "$OUT/include/"
