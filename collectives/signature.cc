@@ -2,11 +2,11 @@
 #include "collectives/signature.h"
 
 #include <fmt/format.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <cstring>
 #include <map>
-#include <sched.h>
 #include <thread>
 
 #include "comm/env.h"
@@ -109,9 +109,12 @@ CallCheckMode callCheckModeFromEnv() {
 
 const char* callCheckModeName(CallCheckMode mode) {
   switch (mode) {
-    case CallCheckMode::kOff: return "off";
-    case CallCheckMode::kCheap: return "cheap";
-    case CallCheckMode::kFull: return "full";
+    case CallCheckMode::kOff:
+      return "off";
+    case CallCheckMode::kCheap:
+      return "cheap";
+    case CallCheckMode::kFull:
+      return "full";
   }
   return "?";
 }
@@ -184,9 +187,10 @@ std::vector<uint8_t> CallSignature::serialize() const {
 
 CallSignature CallSignature::parse(const uint8_t* bytes, size_t n, int nranks) {
   auto bad = [&](const std::string& why) {
-    throw InvalidUsage(fmt::format("a peer's call signature is malformed ({}); do all ranks run the same "
-                                   "crossbar version?",
-                                   why));
+    throw InvalidUsage(
+        fmt::format("a peer's call signature is malformed ({}); do all ranks run the same "
+                    "crossbar version?",
+                    why));
   };
   if (n < kHeaderBytes) bad(fmt::format("{} bytes, at least {} expected", n, kHeaderBytes));
   const uint8_t* p = bytes;
@@ -232,7 +236,8 @@ Mismatch findMismatch(const std::vector<CallSignature>& calls) {
     for (size_t i = 0; i < groups.size(); ++i) {
       if (i == ref) continue;
       const CallSignature& got = calls[groups[i][0]];
-      parts.push_back(fmt::format("{} called {} ({})", ranksNamed(groups[i]), got.describe(), differences(got, want)));
+      parts.push_back(
+          fmt::format("{} called {} ({})", ranksNamed(groups[i]), got.describe(), differences(got, want)));
       m.ranks.insert(m.ranks.end(), groups[i].begin(), groups[i].end());
     }
     std::sort(m.ranks.begin(), m.ranks.end());
@@ -262,10 +267,11 @@ Mismatch findMismatch(const std::vector<CallSignature>& calls) {
   }
   if (npairs == 0) return m;
   std::sort(m.ranks.begin(), m.ranks.end());
-  m.message = fmt::format("alltoallv counts disagree between ranks in {}: {}{}. send_counts[j] on rank i must "
-                          "equal recv_counts[i] on rank j",
-                          calls[0].describe(), fmt::join(pairs, "; "),
-                          npairs > pairs.size() ? fmt::format(" (and {} more pairs)", npairs - pairs.size()) : "");
+  m.message = fmt::format(
+      "alltoallv counts disagree between ranks in {}: {}{}. send_counts[j] on rank i must "
+      "equal recv_counts[i] on rank j",
+      calls[0].describe(), fmt::join(pairs, "; "),
+      npairs > pairs.size() ? fmt::format(" (and {} more pairs)", npairs - pairs.size()) : "");
   return m;
 }
 
@@ -343,10 +349,12 @@ std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Comm
       const char* progress = slots_->peer<char>(q);
       for (int spins = 0; loadAcquire(progress) < seq - kSlots + 1; ++spins) {
         if (deadline.expired())
-          throw Timeout(fmt::format("{}rank {} is still {} collectives behind (at #{}, this rank at #{}); is it "
-                                    "stuck or did it stop calling collectives?",
-                                    errorContext(r, "call check"), q, seq - loadAcquire(progress), loadAcquire(progress), seq),
-                        {q});
+          throw Timeout(
+              fmt::format("{}rank {} is still {} collectives behind (at #{}, this rank at #{}); is it "
+                          "stuck or did it stop calling collectives?",
+                          errorContext(r, "call check"), q, seq - loadAcquire(progress),
+                          loadAcquire(progress), seq),
+              {q});
         if (spins < 1000)
           sched_yield();
         else
@@ -360,9 +368,11 @@ std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Comm
   const size_t counts_at = kSlotBytes * (kSlots + 1) + (seq % kSlots) * countsBytes(p);
   if (with_counts) {
     std::memcpy(own + counts_at, mine.send_counts.data(), 8 * static_cast<size_t>(p));
-    std::memcpy(own + counts_at + 8 * static_cast<size_t>(p), mine.recv_counts.data(), 8 * static_cast<size_t>(p));
+    std::memcpy(own + counts_at + 8 * static_cast<size_t>(p), mine.recv_counts.data(),
+                8 * static_cast<size_t>(p));
   }
-  std::memcpy(slot + sizeof f.seq1, reinterpret_cast<const char*>(&f) + sizeof f.seq1, sizeof f - sizeof f.seq1);
+  std::memcpy(slot + sizeof f.seq1, reinterpret_cast<const char*>(&f) + sizeof f.seq1,
+              sizeof f - sizeof f.seq1);
   storeRelease(slot, seq + 1);
   for (int q = 0; q < p; ++q)
     if (q != r) slots_->putSignal(q, 0);

@@ -50,7 +50,7 @@ struct CallSignature {
   std::vector<uint64_t> send_counts, recv_counts;
 
   static CallSignature of(const CollArgs& a, uint64_t seq, bool with_counts);
-  uint64_t hash() const;  // of every field but the per-peer counts
+  uint64_t hash() const;         // of every field but the per-peer counts
   std::string describe() const;  // "allreduce of 64 x float32 sum (collective #3)"
   std::vector<uint8_t> serialize() const;
   // Throws InvalidUsage when `bytes` is not a signature of `nranks` ranks.
@@ -80,8 +80,8 @@ class CallChecker {
 
  private:
   // Cheap mode within one node; returns every rank's call.
-  std::vector<CallSignature> exchangeLocal(const std::shared_ptr<Communicator>& comm, const CallSignature& mine,
-                                           uint64_t seq, Deadline deadline);
+  std::vector<CallSignature> exchangeLocal(const std::shared_ptr<Communicator>& comm,
+                                           const CallSignature& mine, uint64_t seq, Deadline deadline);
   // Cheap mode across nodes: whether every rank's call hash is the same.
   bool sameHashEverywhere(Communicator& comm, const CallSignature& mine, uint64_t seq, Deadline deadline);
   std::vector<CallSignature> exchangeAll(Communicator& comm, const CallSignature& mine, uint64_t seq,
@@ -90,7 +90,7 @@ class CallChecker {
   uint64_t round_out_[2] = {0, 0}, round_in_[2] = {0, 0};
   std::vector<uint8_t> out_;
   std::vector<std::vector<uint8_t>> in_;
-  symm::SymmetricHeap heap_;                    // cheap mode, one node: created at the first check
+  symm::SymmetricHeap heap_;  // cheap mode, one node: created at the first check
   std::shared_ptr<symm::SymmetricBuffer> slots_;
   uint64_t local_checks_ = 0;  // signals consumed from each peer so far
 };

@@ -41,7 +41,8 @@ World* world() {
   static World* w = [] {
     auto* out = new World;
     setenv("CROSSBAR_TRANSPORT", "shm", 1);  // virtual nodes of one process: no UCX needed
-    const std::string dir = std::filesystem::temp_directory_path() / ("crossbar-fuzz-moe-" + std::to_string(getpid()));
+    const std::string dir =
+        std::filesystem::temp_directory_path() / ("crossbar-fuzz-moe-" + std::to_string(getpid()));
     std::filesystem::create_directories(dir);
     auto store = std::make_shared<FileStore>(dir + "/store");
     out->comms.resize(kRanks);

@@ -44,35 +44,71 @@ struct Rng {
 
 void put(DataType t, void* b, size_t i, double v) {
   switch (t) {
-    case DataType::kFloat64: static_cast<double*>(b)[i] = v; break;
-    case DataType::kFloat32: static_cast<float*>(b)[i] = static_cast<float>(v); break;
-    case DataType::kFloat16: static_cast<Float16*>(b)[i] = fromFloat<Float16>(static_cast<float>(v)); break;
-    case DataType::kBFloat16: static_cast<BFloat16*>(b)[i] = fromFloat<BFloat16>(static_cast<float>(v)); break;
-    case DataType::kFloat8E4M3: static_cast<Float8E4M3*>(b)[i] = fromFloat<Float8E4M3>(static_cast<float>(v)); break;
-    case DataType::kFloat8E5M2: static_cast<Float8E5M2*>(b)[i] = fromFloat<Float8E5M2>(static_cast<float>(v)); break;
-    case DataType::kInt8: static_cast<int8_t*>(b)[i] = static_cast<int8_t>(v); break;
-    case DataType::kUInt8: static_cast<uint8_t*>(b)[i] = static_cast<uint8_t>(v); break;
-    case DataType::kInt32: static_cast<int32_t*>(b)[i] = static_cast<int32_t>(v); break;
-    case DataType::kUInt32: static_cast<uint32_t*>(b)[i] = static_cast<uint32_t>(v); break;
-    case DataType::kInt64: static_cast<int64_t*>(b)[i] = static_cast<int64_t>(v); break;
-    case DataType::kUInt64: static_cast<uint64_t*>(b)[i] = static_cast<uint64_t>(v); break;
+    case DataType::kFloat64:
+      static_cast<double*>(b)[i] = v;
+      break;
+    case DataType::kFloat32:
+      static_cast<float*>(b)[i] = static_cast<float>(v);
+      break;
+    case DataType::kFloat16:
+      static_cast<Float16*>(b)[i] = fromFloat<Float16>(static_cast<float>(v));
+      break;
+    case DataType::kBFloat16:
+      static_cast<BFloat16*>(b)[i] = fromFloat<BFloat16>(static_cast<float>(v));
+      break;
+    case DataType::kFloat8E4M3:
+      static_cast<Float8E4M3*>(b)[i] = fromFloat<Float8E4M3>(static_cast<float>(v));
+      break;
+    case DataType::kFloat8E5M2:
+      static_cast<Float8E5M2*>(b)[i] = fromFloat<Float8E5M2>(static_cast<float>(v));
+      break;
+    case DataType::kInt8:
+      static_cast<int8_t*>(b)[i] = static_cast<int8_t>(v);
+      break;
+    case DataType::kUInt8:
+      static_cast<uint8_t*>(b)[i] = static_cast<uint8_t>(v);
+      break;
+    case DataType::kInt32:
+      static_cast<int32_t*>(b)[i] = static_cast<int32_t>(v);
+      break;
+    case DataType::kUInt32:
+      static_cast<uint32_t*>(b)[i] = static_cast<uint32_t>(v);
+      break;
+    case DataType::kInt64:
+      static_cast<int64_t*>(b)[i] = static_cast<int64_t>(v);
+      break;
+    case DataType::kUInt64:
+      static_cast<uint64_t*>(b)[i] = static_cast<uint64_t>(v);
+      break;
   }
 }
 
 double get(DataType t, const void* b, size_t i) {
   switch (t) {
-    case DataType::kFloat64: return static_cast<const double*>(b)[i];
-    case DataType::kFloat32: return static_cast<const float*>(b)[i];
-    case DataType::kFloat16: return toFloat(static_cast<const Float16*>(b)[i]);
-    case DataType::kBFloat16: return toFloat(static_cast<const BFloat16*>(b)[i]);
-    case DataType::kFloat8E4M3: return toFloat(static_cast<const Float8E4M3*>(b)[i]);
-    case DataType::kFloat8E5M2: return toFloat(static_cast<const Float8E5M2*>(b)[i]);
-    case DataType::kInt8: return static_cast<const int8_t*>(b)[i];
-    case DataType::kUInt8: return static_cast<const uint8_t*>(b)[i];
-    case DataType::kInt32: return static_cast<const int32_t*>(b)[i];
-    case DataType::kUInt32: return static_cast<const uint32_t*>(b)[i];
-    case DataType::kInt64: return static_cast<const int64_t*>(b)[i];
-    case DataType::kUInt64: return static_cast<const uint64_t*>(b)[i];
+    case DataType::kFloat64:
+      return static_cast<const double*>(b)[i];
+    case DataType::kFloat32:
+      return static_cast<const float*>(b)[i];
+    case DataType::kFloat16:
+      return toFloat(static_cast<const Float16*>(b)[i]);
+    case DataType::kBFloat16:
+      return toFloat(static_cast<const BFloat16*>(b)[i]);
+    case DataType::kFloat8E4M3:
+      return toFloat(static_cast<const Float8E4M3*>(b)[i]);
+    case DataType::kFloat8E5M2:
+      return toFloat(static_cast<const Float8E5M2*>(b)[i]);
+    case DataType::kInt8:
+      return static_cast<const int8_t*>(b)[i];
+    case DataType::kUInt8:
+      return static_cast<const uint8_t*>(b)[i];
+    case DataType::kInt32:
+      return static_cast<const int32_t*>(b)[i];
+    case DataType::kUInt32:
+      return static_cast<const uint32_t*>(b)[i];
+    case DataType::kInt64:
+      return static_cast<const int64_t*>(b)[i];
+    case DataType::kUInt64:
+      return static_cast<const uint64_t*>(b)[i];
   }
   return NAN;
 }
@@ -117,11 +153,21 @@ double expected(ReduceOp op, DataType t, uint64_t seed, int p, size_t i, double 
     const double v = input(op, t, seed, r, i);
     switch (op) {
       case ReduceOp::kSum:
-      case ReduceOp::kAvg: acc += v; break;
-      case ReduceOp::kPreMulSum: acc += premul * v; break;
-      case ReduceOp::kProd: acc *= v; break;
-      case ReduceOp::kMin: acc = std::min(acc, v); break;
-      case ReduceOp::kMax: acc = std::max(acc, v); break;
+      case ReduceOp::kAvg:
+        acc += v;
+        break;
+      case ReduceOp::kPreMulSum:
+        acc += premul * v;
+        break;
+      case ReduceOp::kProd:
+        acc *= v;
+        break;
+      case ReduceOp::kMin:
+        acc = std::min(acc, v);
+        break;
+      case ReduceOp::kMax:
+        acc = std::max(acc, v);
+        break;
     }
   }
   return op == ReduceOp::kAvg ? acc / p : acc;
@@ -161,8 +207,8 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
   for (int n = 0; n < opt.ops_per_round; ++n) {
     const uint64_t seed = rng.next();
     const CollType kind = kinds[rng.below(10)];
-    const bool reduction = kind == CollType::kAllreduce || kind == CollType::kReduceScatter ||
-                           kind == CollType::kReduce;
+    const bool reduction =
+        kind == CollType::kAllreduce || kind == CollType::kReduceScatter || kind == CollType::kReduce;
     DataType t = static_cast<DataType>(rng.below(kNumDataTypes));
     ReduceOp op = static_cast<ReduceOp>(rng.below(kNumReduceOps));
     if (reduction && !isSupported(t, op)) op = ReduceOp::kSum;
@@ -181,9 +227,9 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
       if (a.coll == kind) names.push_back(a.name);
     if (!names.empty() && rng.below(2)) o.algorithm = names[rng.below(static_cast<int>(names.size()))];
     const size_t es = elementSize(t);
-    const std::string desc = fmt::format("#{} {} {} x {} {} root {}{} algo '{}' ({} ranks)", n, collTypeName(kind),
-                                         count, dataTypeName(t), reduceOpName(op), root,
-                                         in_place ? " in place" : "", o.algorithm, p);
+    const std::string desc =
+        fmt::format("#{} {} {} x {} {} root {}{} algo '{}' ({} ranks)", n, collTypeName(kind), count,
+                    dataTypeName(t), reduceOpName(op), root, in_place ? " in place" : "", o.algorithm, p);
     std::vector<uint8_t> send, recv;
     auto fillBytes = [&](std::vector<uint8_t>& b, size_t from, size_t bytes, int who) {
       for (size_t i = 0; i < bytes; ++i) b[from + i] = byteOf(seed, who, i);
@@ -192,7 +238,8 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
                           const std::string& where) {
       for (size_t i = 0; i < bytes; ++i)
         if (b[from + i] != byteOf(seed, who, i)) {
-          report(fmt::format("{}: {} byte {} is {}, expected {}", desc, where, i, b[from + i], byteOf(seed, who, i)));
+          report(fmt::format("{}: {} byte {} is {}, expected {}", desc, where, i, b[from + i],
+                             byteOf(seed, who, i)));
           return;
         }
     };
@@ -244,7 +291,8 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
             in = recv.data() + rank * count * es;
           }
           coll.allgather(in, recv.data(), count, t, o)->wait();
-          for (int r = 0; r < p; ++r) checkBytes(recv, r * count * es, count * es, r, fmt::format("block {}", r));
+          for (int r = 0; r < p; ++r)
+            checkBytes(recv, r * count * es, count * es, r, fmt::format("block {}", r));
           break;
         }
         case CollType::kBroadcast: {
@@ -271,7 +319,9 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
         }
         case CollType::kAlltoallv: {
           // Count from s to d: a closed form both sides can compute; blocks packed in order.
-          auto cnt = [&](int s, int d) { return count == 0 ? 0 : static_cast<size_t>(mix(seed + s * 131 + d) % (count + 1)); };
+          auto cnt = [&](int s, int d) {
+            return count == 0 ? 0 : static_cast<size_t>(mix(seed + s * 131 + d) % (count + 1));
+          };
           std::vector<size_t> sc(p), sd(p), rc(p), rd(p);
           size_t so = 0, ro = 0;
           for (int r = 0; r < p; ++r) {
@@ -301,7 +351,8 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
           }
           coll.gather(in, recv.data(), count, root, t, o)->wait();
           if (rank == root)
-            for (int r = 0; r < p; ++r) checkBytes(recv, r * count * es, count * es, r, fmt::format("block {}", r));
+            for (int r = 0; r < p; ++r)
+              checkBytes(recv, r * count * es, count * es, r, fmt::format("block {}", r));
           break;
         }
         case CollType::kScatter: {
@@ -336,13 +387,19 @@ int main(int argc, char** argv) {
   Options opt;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--seconds") opt.seconds = std::stod(v);
-    else if (k == "--seed") opt.seed = std::stoull(v);
-    else if (k == "--max-ranks") opt.max_ranks = std::stoi(v);
-    else if (k == "--max-count") opt.max_count = std::stoull(v);
-    else if (k == "--ops") opt.ops_per_round = std::stoi(v);
+    if (k == "--seconds")
+      opt.seconds = std::stod(v);
+    else if (k == "--seed")
+      opt.seed = std::stoull(v);
+    else if (k == "--max-ranks")
+      opt.max_ranks = std::stoi(v);
+    else if (k == "--max-count")
+      opt.max_count = std::stoull(v);
+    else if (k == "--ops")
+      opt.ops_per_round = std::stoi(v);
     else {
-      fmt::print(stderr, "usage: crossbar-soak [--seconds S] [--seed N] [--max-ranks R] [--max-count C] [--ops K]\n");
+      fmt::print(stderr,
+                 "usage: crossbar-soak [--seconds S] [--seed N] [--max-ranks R] [--max-count C] [--ops K]\n");
       return 2;
     }
   }
@@ -373,12 +430,14 @@ int main(int argc, char** argv) {
     ++rounds;
     ops += opt.ops_per_round;
     if (rc != 0) ++failed;
-    fmt::print("soak: round {:4} seed {:#018x}: {} ranks, {} per node, check {:5}: {} ({:.0f} s, {} ops so far)\n",
-               rounds, round_seed, p, rpn, mode, rc == 0 ? "ok" : fmt::format("FAILED (exit {})", rc), elapsed(),
-               ops);
+    fmt::print(
+        "soak: round {:4} seed {:#018x}: {} ranks, {} per node, check {:5}: {} ({:.0f} s, {} ops so far)\n",
+        rounds, round_seed, p, rpn, mode, rc == 0 ? "ok" : fmt::format("FAILED (exit {})", rc), elapsed(),
+        ops);
     std::fflush(stdout);
   }
-  fmt::print("soak: {} rounds, {} operations (each checked on every rank), {} rounds failed, {:.0f} s, seed {}\n",
-             rounds, ops, failed, elapsed(), opt.seed);
+  fmt::print(
+      "soak: {} rounds, {} operations (each checked on every rank), {} rounds failed, {:.0f} s, seed {}\n",
+      rounds, ops, failed, elapsed(), opt.seed);
   return failed ? 1 : 0;
 }

@@ -49,57 +49,80 @@ TEST(BadInput, CollectiveArguments) {
     const ErrorCode bad = ErrorCode::kInvalidArgument;
 
     // Null buffers, each collective and side.
-    expectError("allgather recv null", [&] { c.allgather(a, nullptr, 4, i32); }, bad, "receive buffer is null");
-    expectError("reduce_scatter send null", [&] { c.reduceScatter(nullptr, b, 4, i32, sum); }, bad,
-                "send buffer is null");
-    expectError("broadcast null", [&] { c.broadcast(nullptr, 4, i32, 0); }, bad, "broadcast buffer is null");
-    expectError("alltoall null", [&] { c.alltoall(a, nullptr, 4, i32); }, bad, "receive buffer is null");
-    expectError("reduce root recv null", [&] { c.reduce(a, nullptr, 4, i32, sum, me); }, bad,
-                "receive (root) buffer is null");
-    expectError("gather root recv null", [&] { c.gather(a, nullptr, 4, me, i32); }, bad,
-                "receive (root) buffer is null");
-    expectError("scatter root send null", [&] { c.scatter(nullptr, b, 4, me, i32); }, bad,
-                "send (root) buffer is null");
-    expectError("send null", [&] { c.send(nullptr, 4, i32, 1 - me, 3); }, bad, "send buffer is null");
-    expectError("recv null", [&] { c.recv(nullptr, 4, i32, 1 - me, 3); }, bad, "receive buffer is null");
+    expectError(
+        "allgather recv null", [&] { c.allgather(a, nullptr, 4, i32); }, bad, "receive buffer is null");
+    expectError(
+        "reduce_scatter send null", [&] { c.reduceScatter(nullptr, b, 4, i32, sum); }, bad,
+        "send buffer is null");
+    expectError(
+        "broadcast null", [&] { c.broadcast(nullptr, 4, i32, 0); }, bad, "broadcast buffer is null");
+    expectError(
+        "alltoall null", [&] { c.alltoall(a, nullptr, 4, i32); }, bad, "receive buffer is null");
+    expectError(
+        "reduce root recv null", [&] { c.reduce(a, nullptr, 4, i32, sum, me); }, bad,
+        "receive (root) buffer is null");
+    expectError(
+        "gather root recv null", [&] { c.gather(a, nullptr, 4, me, i32); }, bad,
+        "receive (root) buffer is null");
+    expectError(
+        "scatter root send null", [&] { c.scatter(nullptr, b, 4, me, i32); }, bad,
+        "send (root) buffer is null");
+    expectError(
+        "send null", [&] { c.send(nullptr, 4, i32, 1 - me, 3); }, bad, "send buffer is null");
+    expectError(
+        "recv null", [&] { c.recv(nullptr, 4, i32, 1 - me, 3); }, bad, "receive buffer is null");
 
     // Misaligned buffers: refused for reductions (typed element access).
-    expectError("allreduce misaligned send", [&] { c.allreduce(ca + 1, b, 4, f32, sum); }, bad, "not aligned");
-    expectError("allreduce misaligned recv", [&] { c.allreduce(a, cb + 2, 4, f32, sum); }, bad,
-                "4-byte elements of float");
-    expectError("reduce_scatter misaligned", [&] { c.reduceScatter(ca + 3, b, 2, i32, sum); }, bad,
-                "not aligned");
-    expectError("reduce misaligned", [&] { c.reduce(a, cb + 1, 4, DataType::kFloat64, sum, me); }, bad,
-                "not aligned");
+    expectError(
+        "allreduce misaligned send", [&] { c.allreduce(ca + 1, b, 4, f32, sum); }, bad, "not aligned");
+    expectError(
+        "allreduce misaligned recv", [&] { c.allreduce(a, cb + 2, 4, f32, sum); }, bad,
+        "4-byte elements of float");
+    expectError(
+        "reduce_scatter misaligned", [&] { c.reduceScatter(ca + 3, b, 2, i32, sum); }, bad, "not aligned");
+    expectError(
+        "reduce misaligned", [&] { c.reduce(a, cb + 1, 4, DataType::kFloat64, sum, me); }, bad,
+        "not aligned");
 
     // Overlapping buffers that are not the documented in-place layout.
-    expectError("reduce_scatter overlap", [&] { c.reduceScatter(a, a + 1, 4, i32, sum); }, bad, "overlap");
-    expectError("alltoall overlap", [&] { c.alltoall(a, a + 2, 4, i32); }, bad, "overlap");
-    expectError("gather overlap", [&] { c.gather(a + 1, a, 4, me, i32); }, bad, "overlap");
-    expectError("scatter overlap", [&] { c.scatter(a, a + 1, 4, me, i32); }, bad, "overlap");
+    expectError(
+        "reduce_scatter overlap", [&] { c.reduceScatter(a, a + 1, 4, i32, sum); }, bad, "overlap");
+    expectError(
+        "alltoall overlap", [&] { c.alltoall(a, a + 2, 4, i32); }, bad, "overlap");
+    expectError(
+        "gather overlap", [&] { c.gather(a + 1, a, 4, me, i32); }, bad, "overlap");
+    expectError(
+        "scatter overlap", [&] { c.scatter(a, a + 1, 4, me, i32); }, bad, "overlap");
 
     // Negative counts arrive as huge size_t; overflowing byte sizes.
-    expectError("negative count", [&] { c.allreduce(a, b, static_cast<size_t>(-1), i32, sum); }, bad,
-                "overflows");
-    expectError("overflowing count", [&] { c.allgather(a, b, kHuge / 8 + 1, i32); }, bad, "overflows");
-    expectError("overflowing bcast", [&] { c.broadcast(a, kHuge / 2, DataType::kInt64, 0); }, bad, "overflows");
+    expectError(
+        "negative count", [&] { c.allreduce(a, b, static_cast<size_t>(-1), i32, sum); }, bad, "overflows");
+    expectError(
+        "overflowing count", [&] { c.allgather(a, b, kHuge / 8 + 1, i32); }, bad, "overflows");
+    expectError(
+        "overflowing bcast", [&] { c.broadcast(a, kHuge / 2, DataType::kInt64, 0); }, bad, "overflows");
     std::vector<size_t> cnt{1, 1}, displ{0, 1};
     std::vector<size_t> far{0, kHuge - 1};
-    expectError("alltoallv displ overflow", [&] { c.alltoallv(a, cnt, far, b, cnt, displ, i32); }, bad,
-                "overflows");
+    expectError(
+        "alltoallv displ overflow", [&] { c.alltoallv(a, cnt, far, b, cnt, displ, i32); }, bad, "overflows");
     std::vector<size_t> neg{1, static_cast<size_t>(-4)};
-    expectError("alltoallv negative count", [&] { c.alltoallv(a, neg, displ, b, cnt, displ, i32); }, bad,
-                "overflows");
+    expectError(
+        "alltoallv negative count", [&] { c.alltoallv(a, neg, displ, b, cnt, displ, i32); }, bad,
+        "overflows");
 
     // Unknown types and ops; types an op is not defined for.
-    expectError("unknown type", [&] { c.allreduce(a, b, 4, static_cast<DataType>(99), sum); }, bad,
-                "unknown data type 99");
-    expectError("negative type", [&] { c.allgather(a, b, 4, static_cast<DataType>(-1)); }, bad,
-                "unknown data type -1");
-    expectError("unknown op", [&] { c.allreduce(a, b, 4, i32, static_cast<ReduceOp>(17)); }, bad,
-                "unknown reduce op 17");
-    expectError("premulsum on int", [&] { c.reduce(a, b, 4, DataType::kUInt8, ReduceOp::kPreMulSum, 0); }, bad,
-                "premulsum");
+    expectError(
+        "unknown type", [&] { c.allreduce(a, b, 4, static_cast<DataType>(99), sum); }, bad,
+        "unknown data type 99");
+    expectError(
+        "negative type", [&] { c.allgather(a, b, 4, static_cast<DataType>(-1)); }, bad,
+        "unknown data type -1");
+    expectError(
+        "unknown op", [&] { c.allreduce(a, b, 4, i32, static_cast<ReduceOp>(17)); }, bad,
+        "unknown reduce op 17");
+    expectError(
+        "premulsum on int", [&] { c.reduce(a, b, 4, DataType::kUInt8, ReduceOp::kPreMulSum, 0); }, bad,
+        "premulsum");
 
     // Nothing was issued by the refused calls: valid calls still pair up. Null buffers
     // with a zero count are fine, and data movement accepts misaligned buffers.
@@ -211,12 +234,23 @@ TEST(BadInput, EveryEnvironmentVariableRejectsBadValues) {
     // The declared default parses.
     unsetenv(name.c_str());
     switch (v.type) {
-      case env::Type::kBool: EXPECT_NO_THROW(env::getBool(name)) << name; break;
-      case env::Type::kInt: EXPECT_NO_THROW(env::getInt(name)) << name; break;
-      case env::Type::kSize: EXPECT_NO_THROW(env::getSize(name)) << name; break;
-      case env::Type::kEnum: EXPECT_NO_THROW(env::getEnum(name)) << name; break;
-      case env::Type::kMillis: EXPECT_NO_THROW(env::getMillis(name)) << name; break;
-      case env::Type::kString: break;
+      case env::Type::kBool:
+        EXPECT_NO_THROW(env::getBool(name)) << name;
+        break;
+      case env::Type::kInt:
+        EXPECT_NO_THROW(env::getInt(name)) << name;
+        break;
+      case env::Type::kSize:
+        EXPECT_NO_THROW(env::getSize(name)) << name;
+        break;
+      case env::Type::kEnum:
+        EXPECT_NO_THROW(env::getEnum(name)) << name;
+        break;
+      case env::Type::kMillis:
+        EXPECT_NO_THROW(env::getMillis(name)) << name;
+        break;
+      case env::Type::kString:
+        break;
     }
     if (old) setenv(name.c_str(), saved.c_str(), 1);
   }

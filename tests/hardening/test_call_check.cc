@@ -183,21 +183,24 @@ void mismatchMatrix(RankEnv& env, bool full) {
   std::vector<int32_t> a(256, 1), b(256 * 8);
   expectMismatch(
       env, "count",
-      [&](Collectives& c) { return c.allreduce(a.data(), b.data(), me == odd ? 100 : 64, i32, ReduceOp::kSum); },
+      [&](Collectives& c) {
+        return c.allreduce(a.data(), b.data(), me == odd ? 100 : 64, i32, ReduceOp::kSum);
+      },
       {fmt::format("rank {} called allreduce of 100 x int32 sum (collective #0) (count 100 vs 64)", odd),
        "call check"},
       {odd});
+  expectMismatch(env, "type",
+                 [&](Collectives& c) { return c.broadcast(a.data(), 16, me == odd ? f32 : i32, 0); },
+                 {"type float vs int32"}, {odd});
+  expectMismatch(env, "op",
+                 [&](Collectives& c) {
+                   return c.reduceScatter(a.data(), b.data(), 8, i32,
+                                          me == odd ? ReduceOp::kMax : ReduceOp::kSum);
+                 },
+                 {"op max vs sum"}, {odd});
   expectMismatch(
-      env, "type", [&](Collectives& c) { return c.broadcast(a.data(), 16, me == odd ? f32 : i32, 0); },
-      {"type float vs int32"}, {odd});
-  expectMismatch(
-      env, "op",
-      [&](Collectives& c) {
-        return c.reduceScatter(a.data(), b.data(), 8, i32, me == odd ? ReduceOp::kMax : ReduceOp::kSum);
-      },
-      {"op max vs sum"}, {odd});
-  expectMismatch(
-      env, "root", [&](Collectives& c) { return c.reduce(a.data(), b.data(), 8, i32, ReduceOp::kSum, me == odd); },
+      env, "root",
+      [&](Collectives& c) { return c.reduce(a.data(), b.data(), 8, i32, ReduceOp::kSum, me == odd); },
       {"root 1 vs 0"}, {odd});
   // Order: the upper half calls broadcast first, the lower half allreduce; the second
   // call fails too (sticky), never runs against the wrong peer call.
@@ -207,8 +210,10 @@ void mismatchMatrix(RankEnv& env, bool full) {
       env, "order",
       [&](Collectives& c) {
         const bool up = me >= (p + 1) / 2;
-        WorkPtr w1 = up ? c.broadcast(a.data(), 4, i32, 0) : c.allreduce(a.data(), b.data(), 4, i32, ReduceOp::kSum);
-        WorkPtr w2 = up ? c.allreduce(a.data(), b.data(), 4, i32, ReduceOp::kSum) : c.broadcast(a.data(), 4, i32, 0);
+        WorkPtr w1 =
+            up ? c.broadcast(a.data(), 4, i32, 0) : c.allreduce(a.data(), b.data(), 4, i32, ReduceOp::kSum);
+        WorkPtr w2 =
+            up ? c.allreduce(a.data(), b.data(), 4, i32, ReduceOp::kSum) : c.broadcast(a.data(), 4, i32, 0);
         try {
           w1->wait(Deadline::after(Millis(60'000)));
         } catch (const InvalidUsage&) {
@@ -219,31 +224,28 @@ void mismatchMatrix(RankEnv& env, bool full) {
       },
       {"collective broadcast vs allreduce (called in a different order"}, upper);
   // Inside a group, after a matching collective.
-  expectMismatch(
-      env, "group",
-      [&](Collectives& c) {
-        c.allreduce(a.data(), b.data(), 4, i32, ReduceOp::kSum)->wait();
-        c.groupStart();
-        c.allgather(a.data(), b.data(), me == odd ? 3 : 4, i32);
-        return c.groupEnd();
-      },
-      {"allgather of 3 x int32 (collective #1) (count 3 vs 4)"}, {odd});
+  expectMismatch(env, "group",
+                 [&](Collectives& c) {
+                   c.allreduce(a.data(), b.data(), 4, i32, ReduceOp::kSum)->wait();
+                   c.groupStart();
+                   c.allgather(a.data(), b.data(), me == odd ? 3 : 4, i32);
+                   return c.groupEnd();
+                 },
+                 {"allgather of 3 x int32 (collective #1) (count 3 vs 4)"}, {odd});
   // Zero-count calls move nothing but still agree (or not): one rank's empty call must
   // not let the others hang.
-  expectMismatch(
-      env, "empty",
-      [&](Collectives& c) { return c.allgather(a.data(), b.data(), me == odd ? 0 : 2, i32); },
-      {"count 0 vs 2"}, {odd});
+  expectMismatch(env, "empty",
+                 [&](Collectives& c) { return c.allgather(a.data(), b.data(), me == odd ? 0 : 2, i32); },
+                 {"count 0 vs 2"}, {odd});
   if (full) {
     // Rank 0 sends one element more to the last rank than that rank expects.
     std::vector<size_t> cnt(p, 2), displ(p);
     for (int r = 0; r < p; ++r) displ[r] = 4 * r;
     std::vector<size_t> sc = cnt, rc = cnt;
     if (me == 0) sc[odd] = 3;
-    expectMismatch(
-        env, "alltoallv",
-        [&](Collectives& c) { return c.alltoallv(a.data(), sc, displ, b.data(), rc, displ, i32); },
-        {fmt::format("rank 0 sends 3 elements to rank {}, which expects 2", odd)}, {0, odd});
+    expectMismatch(env, "alltoallv",
+                   [&](Collectives& c) { return c.alltoallv(a.data(), sc, displ, b.data(), rc, displ, i32); },
+                   {fmt::format("rank 0 sends 3 elements to rank {}, which expects 2", odd)}, {0, odd});
   }
   // After all that (every check completed its exchange), the communicator still works.
   Collectives coll(comm);
@@ -263,7 +265,8 @@ TEST(CallCheck, MismatchesRaiseOnEveryRankCheap) {
 TEST(CallCheck, MismatchesRaiseOnEveryRankFull) {
   RunOptions o;
   o.env["CROSSBAR_CHECK_CALLS"] = "full";
-  runRanks(4, [](RankEnv& env) { mismatchMatrix(env, true); }, o);
+  runRanks(
+      4, [](RankEnv& env) { mismatchMatrix(env, true); }, o);
 }
 
 // Across nodes (virtual: one rank per node) the cheap mode exchanges call hashes over
@@ -320,15 +323,16 @@ TEST(CallCheck, DISABLED_CheckCost) {
           auto t0 = std::chrono::steady_clock::now();
           for (int i = 0; i < iters; ++i) coll.allreduce(&x, &y, 1, i32, ReduceOp::kSum)->wait();
           const double us =
-              std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
+              std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
+              iters;
           best[m] = std::min(best[m], us);
           comm->barrier();
         }
       }
       if (comm->rank() == 0)
         for (int m = 0; m < 3; ++m)
-          fmt::print("ranks {} nodes {} check {:5}: 4-byte allreduce {:7.2f} us (best of 5 rounds)\n", comm->size(),
-                     comm->numNodes(), modes[m], best[m]);
+          fmt::print("ranks {} nodes {} check {:5}: 4-byte allreduce {:7.2f} us (best of 5 rounds)\n",
+                     comm->size(), comm->numNodes(), modes[m], best[m]);
       comm->destroy();
     });
   }

@@ -8,9 +8,9 @@
 // leak adds over the cycles run: with the CI counts below, one leaked fd or mapping
 // per communicator cycle adds 150, one per buffer cycle 2000, and 64 KiB per
 // communicator cycle ~9.4 MiB. More cycles (a finer memory check): LEAK_CYCLES_SCALE=20.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -41,8 +41,8 @@ struct Usage {
 
 Usage usage() {
   Usage u;
-  for (auto it = std::filesystem::directory_iterator("/proc/self/fd"); it != std::filesystem::directory_iterator();
-       ++it)
+  for (auto it = std::filesystem::directory_iterator("/proc/self/fd");
+       it != std::filesystem::directory_iterator(); ++it)
     ++u.fds;
   std::ifstream maps("/proc/self/maps");
   for (std::string line; std::getline(maps, line);) ++u.maps;
@@ -107,7 +107,8 @@ TEST(ResourceCycles, ThresholdsCatchAPerCycleLeak) {
   base = usage();
   for (int i = 0; i < 150; ++i) {
     // Alternate protections so the kernel cannot merge neighbouring mappings.
-    maps.push_back(mmap(nullptr, 4096, i % 2 ? PROT_READ : PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    maps.push_back(
+        mmap(nullptr, 4096, i % 2 ? PROT_READ : PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   }
   EXPECT_FALSE(flat(base, usage())) << "one mapping per cycle";
   for (void* m : maps) munmap(m, 4096);
