@@ -46,8 +46,9 @@ note() { echo "[gpu_check +$((SECONDS - START))s] $*"; }
 record() {  # stage status detail
   SUMMARY+=("$(printf '%-34s %-5s %s' "$1" "$2" "$3")")
   [ "$2" = FAIL ] && FAILED=1
-  # Building is no evidence of a GPU; every other PASS ran on one.
-  [ "$2" = PASS ] && [[ "$1" != build* && "$1" != "torch build" ]] && GPU_RAN=1
+  # Evidence that a GPU ran something: a selftest check, a perf run or a benchmark passed
+  # (builds, gtest binaries with CPU-only tests and sanitizer runs of skipped checks are not).
+  [ "$2" = PASS ] && [[ "$1" == check* || "$1" == perf* || "$1" == bench* ]] && GPU_RAN=1
   note "$1: $2 $3"
 }
 left() { echo $((BUDGET - (SECONDS - START))); }
@@ -317,8 +318,12 @@ if want sanitizer; then
   [ -z "$SAN" ] && command -v compute-sanitizer >/dev/null && SAN=$(command -v compute-sanitizer)
   for tool_name in memcheck racecheck; do
     lim=$(limit 60)
-    if [ -z "$SAN" ] || [ -z "$SELFTEST" ] || [ "$lim" = 0 ]; then
-      record "compute-sanitizer $tool_name" SKIP "not installed, no selftest, or out of time"
+    why=""
+    [ "$lim" = 0 ] && why="out of time"
+    [ -z "$SELFTEST" ] && why="no gpu_selftest"
+    [ -z "$SAN" ] && why="compute-sanitizer not installed"
+    if [ -n "$why" ]; then
+      record "compute-sanitizer $tool_name" SKIP "$why"
       continue
     fi
     only=kernel_put_signal,copy_engine
