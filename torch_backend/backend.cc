@@ -9,7 +9,16 @@
 #include <optional>
 
 #include "comm/errors.h"
+#include "comm/log.h"
 #include "comm/progress.h"
+
+#if CROSSBAR_TORCH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include "collectives/cuda/cuda_collectives.h"
+#endif
 
 namespace crossbar::torch_backend {
 
@@ -46,11 +55,14 @@ std::string scalarName(at::ScalarType s) {
 
 void checkTensor(const at::Tensor& t, int rank, const char* op) {
   if (!t.defined()) throw InvalidArgument(errorContext(rank, op) + "a tensor argument is undefined (None)");
+#if !CROSSBAR_TORCH_CUDA
   if (t.is_cuda())
     throw Unsupported(errorContext(rank, op) +
-                      "crossbar's CUDA path is not built yet; use 'cpu:crossbar,cuda:nccl' "
-                      "(init_process_group(backend=\"cpu:crossbar,cuda:nccl\")) to run CUDA tensors on NCCL");
-  if (!t.device().is_cpu())
+                      "this crossbar build has no CUDA path (built without CUDA, or against a CPU-only torch); "
+                      "use 'cpu:crossbar,cuda:nccl' (init_process_group(backend=\"cpu:crossbar,cuda:nccl\")) "
+                      "to run CUDA tensors on NCCL");
+#endif
+  if (!t.device().is_cpu() && !t.is_cuda())
     throw Unsupported(
         fmt::format("{}tensors on device type '{}' are not supported; crossbar runs CPU tensors",
                     errorContext(rank, op), c10::DeviceTypeName(t.device().type(), true)));
@@ -216,7 +228,36 @@ void checkSameType(const at::Tensor& a, const at::Tensor& b, int rank, const cha
     throw InvalidArgument(fmt::format("{}tensors must have the same dtype, got {} and {}",
                                       errorContext(rank, op), scalarName(a.scalar_type()),
                                       scalarName(b.scalar_type())));
+  if (a.device() != b.device())
+    throw InvalidArgument(fmt::format("{}tensors must be on the same device, got {} and {}",
+                                      errorContext(rank, op), a.device().str(), b.device().str()));
 }
+
+// The first tensor of a list (undefined when empty: the call then runs on the host).
+at::Tensor firstOf(const std::vector<at::Tensor>& ts) {
+  return ts.empty() ? at::Tensor() : ts[0];
+}
+
+#if CROSSBAR_TORCH_CUDA
+void checkCuda(cudaError_t e, int rank, const char* what) {
+  if (e != cudaSuccess)
+    throw CudaError(fmt::format("{}{} failed: {} ({})", errorContext(rank, what), what, cudaGetErrorString(e),
+                                cudaGetErrorName(e)));
+}
+
+cudaStream_t currentStream(int device) {
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+}
+
+// An event recorded on `stream` now, destroyed with its last owner.
+std::shared_ptr<void> recordEvent(cudaStream_t stream, int rank) {
+  cudaEvent_t ev = nullptr;
+  checkCuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), rank, "cudaEventCreateWithFlags");
+  std::shared_ptr<void> owner(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+  checkCuda(cudaEventRecord(ev, stream), rank, "cudaEventRecord");
+  return owner;
+}
+#endif
 
 // OpTypes of the coalesced tensor collectives, where this torch version has them (they
 // only label the Work for logging and profiling).
@@ -316,12 +357,13 @@ int64_t TorchStoreAdapter::numKeys() {
 // ---- CrossbarWork -------------------------------------------------------------------------
 
 CrossbarWork::CrossbarWork(int rank, c10d::OpType type, const char* profiling_title,
-                           std::vector<at::Tensor> outputs, Millis timeout)
+                           std::vector<at::Tensor> outputs, Millis timeout, std::vector<c10::Device> devices)
     : c10d::Work(rank, type, profiling_title),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()), devices)),
       timeout_(timeout) {
   deadline = Deadline::after(timeout);
+  if (!devices.empty() && devices[0].is_cuda()) cuda_device = devices[0].index();
 }
 
 CrossbarWork::~CrossbarWork() = default;
@@ -397,7 +439,19 @@ void CrossbarWork::complete(std::exception_ptr err) {
   }
   post = nullptr;
   finish(err);
-  if (err) {
+  if (isCuda()) {
+    // The future completed when the work was enqueued (stream semantics); a failure found
+    // later shows in wait(), exception() and the backend's getError().
+    if (err)
+      CB_WARN("torch", "{}", [&] {
+        try {
+          std::rethrow_exception(err);
+        } catch (const std::exception& e) {
+          return std::string(e.what());
+        }
+      }());
+    keepalive.clear();
+  } else if (err) {
     future_->setError(err);
   } else {
     future_->markCompleted(c10::IValue(outputs_));
@@ -410,6 +464,24 @@ bool CrossbarWork::isCompleted() {
     std::lock_guard<std::mutex> lk(mutex_);
     if (completed_) return true;
   }
+#if CROSSBAR_TORCH_CUDA
+  if (isCuda()) {  // done when the GPU passed the end event (NCCL's semantics)
+    if (!cuda_end) return false;
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(cuda_device));
+    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(cuda_end.get()));
+    if (e == cudaErrorNotReady) return false;
+    if (e != cudaSuccess) {
+      std::exception_ptr err;
+      try {
+        checkCuda(e, rank_, "cudaEventQuery");
+      } catch (...) {
+        err = std::current_exception();
+      }
+      complete(err);
+    }
+    return true;
+  }
+#endif
   std::exception_ptr err;
   if (underlyingDone(&err)) {
     complete(err);
@@ -428,7 +500,27 @@ std::exception_ptr CrossbarWork::exception() const {
   return exception_;
 }
 
+void CrossbarWork::synchronize() {
+#if CROSSBAR_TORCH_CUDA
+  if (isCuda() && cuda_end) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(cuda_device));
+    checkCuda(cudaStreamWaitEvent(currentStream(cuda_device), static_cast<cudaEvent_t>(cuda_end.get()), 0), rank_,
+              "cudaStreamWaitEvent");
+  }
+#endif
+}
+
 bool CrossbarWork::wait(std::chrono::milliseconds timeout) {
+  if (isCuda()) {
+    // Like ProcessGroupNCCL: the caller's current stream waits for the operation; the
+    // host returns at once. A failure already known is raised here.
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      if (exception_) std::rethrow_exception(exception_);
+    }
+    synchronize();
+    return true;
+  }
   bool done;
   {
     std::lock_guard<std::mutex> lk(mutex_);
@@ -517,6 +609,7 @@ CrossbarBackend::~CrossbarBackend() {
   try {
     stopThreads();
     coll_.reset();
+    cuda_.reset();
     comm_.reset();
   } catch (...) {
     // Destructors must not throw; the layers below logged what went wrong.
@@ -533,6 +626,7 @@ void CrossbarBackend::stopThreads() {
   cv_.notify_all();
   if (coll_thread_.joinable()) coll_thread_.join();
   if (p2p_thread_.joinable()) p2p_thread_.join();
+  if (cuda_thread_.joinable()) cuda_thread_.join();
 }
 
 void CrossbarBackend::shutdown() {
@@ -541,6 +635,7 @@ void CrossbarBackend::shutdown() {
   // Pending work still finishes (each bounded by its deadline); then a collective goodbye.
   stopThreads();
   coll_.reset();
+  cuda_.reset();  // waits (bounded) for its queued GPU work
   if (comm_ && !comm_->aborted()) comm_->destroy();
 }
 
@@ -643,14 +738,98 @@ void CrossbarBackend::p2pLoop() {
   }
 }
 
+// Where one call's operations go: the host Collectives, or (CUDA tensors) the
+// CudaCollectives on the caller's current stream. Same calls, same arguments.
+struct CrossbarBackend::Ops {
+  Collectives* host = nullptr;
+  CudaCollectives* cuda = nullptr;
+  void* stream = nullptr;  // cudaStream_t
+  bool* cuda_group_open = nullptr;  // the coalescing block's CUDA group (nested groups stay in it)
+
+  bool onCuda() const { return cuda != nullptr; }
+#if CROSSBAR_TORCH_CUDA
+#define CROSSBAR_ROUTE(call, ...) \
+  return cuda ? cuda->call(__VA_ARGS__, static_cast<cudaStream_t>(stream), o) : host->call(__VA_ARGS__, o)
+#else
+#define CROSSBAR_ROUTE(call, ...) return host->call(__VA_ARGS__, o)
+#endif
+  WorkPtr broadcast(void* buf, size_t n, DataType t, int root, const CollOptions& o) {
+    CROSSBAR_ROUTE(broadcast, buf, n, t, root);
+  }
+  WorkPtr allreduce(const void* s, void* r, size_t n, DataType t, ReduceOp op, const CollOptions& o) {
+    CROSSBAR_ROUTE(allreduce, s, r, n, t, op);
+  }
+  WorkPtr reduce(const void* s, void* r, size_t n, DataType t, ReduceOp op, int root, const CollOptions& o) {
+    CROSSBAR_ROUTE(reduce, s, r, n, t, op, root);
+  }
+  WorkPtr allgather(const void* s, void* r, size_t n, DataType t, const CollOptions& o) {
+    CROSSBAR_ROUTE(allgather, s, r, n, t);
+  }
+  WorkPtr reduceScatter(const void* s, void* r, size_t n, DataType t, ReduceOp op, const CollOptions& o) {
+    CROSSBAR_ROUTE(reduceScatter, s, r, n, t, op);
+  }
+  WorkPtr gather(const void* s, void* r, size_t n, int root, DataType t, const CollOptions& o) {
+    CROSSBAR_ROUTE(gather, s, r, n, root, t);
+  }
+  WorkPtr scatter(const void* s, void* r, size_t n, int root, DataType t, const CollOptions& o) {
+    CROSSBAR_ROUTE(scatter, s, r, n, root, t);
+  }
+  WorkPtr alltoall(const void* s, void* r, size_t n, DataType t, const CollOptions& o) {
+    CROSSBAR_ROUTE(alltoall, s, r, n, t);
+  }
+  WorkPtr alltoallv(const void* s, const std::vector<size_t>& sc, const std::vector<size_t>& sd, void* r,
+                    const std::vector<size_t>& rc, const std::vector<size_t>& rd, DataType t, const CollOptions& o) {
+    CROSSBAR_ROUTE(alltoallv, s, sc, sd, r, rc, rd, t);
+  }
+#undef CROSSBAR_ROUTE
+  WorkPtr barrier(const CollOptions& o) { return host->barrier(o); }
+#if CROSSBAR_TORCH_CUDA
+  WorkPtr send(const void* d, size_t n, DataType t, int peer, uint32_t tag, const CollOptions& o) {
+    return cuda->send(d, n, t, peer, tag, static_cast<cudaStream_t>(stream), o);
+  }
+  WorkPtr recv(void* d, size_t n, DataType t, int peer, uint32_t tag, const CollOptions& o) {
+    return cuda->recv(d, n, t, peer, tag, static_cast<cudaStream_t>(stream), o);
+  }
+#else
+  // Never called: CUDA tensors are refused before (checkTensor).
+  WorkPtr send(const void*, size_t, DataType, int, uint32_t, const CollOptions&) { return nullptr; }
+  WorkPtr recv(void*, size_t, DataType, int, uint32_t, const CollOptions&) { return nullptr; }
+#endif
+  // Coalesced collectives: one group. Inside a coalescing block the block's group is it.
+  void groupStart() {
+#if CROSSBAR_TORCH_CUDA
+    if (cuda) {
+      if (!*cuda_group_open) cuda->groupStart();
+      return;
+    }
+#endif
+    host->groupStart();
+  }
+  WorkPtr groupEnd() {
+#if CROSSBAR_TORCH_CUDA
+    if (cuda) return *cuda_group_open ? nullptr : cuda->groupEnd();
+#endif
+    return host->groupEnd();
+  }
+};
+
 c10::intrusive_ptr<c10d::Work> CrossbarBackend::submit(c10d::OpType type, const char* title,
                                                        std::vector<at::Tensor> outputs, Millis timeout,
-                                                       const std::function<void(CrossbarWork&)>& issue,
+                                                       const at::Tensor& on,
+                                                       const std::function<void(CrossbarWork&, Ops&)>& issue,
                                                        bool p2p) {
   ensureUsable(title);
+  if (on.defined() && on.is_cuda()) return submitCuda(type, title, std::move(outputs), timeout, on, issue);
+  if (coalescing_ && coalesced_kind_ == 2)
+    throw InvalidUsage(errorContext(rank_, title) +
+                       "a coalescing block (batch_isend_irecv, _coalescing_manager) mixes CPU and CUDA tensors; "
+                       "use one device per block");
   auto work = c10::make_intrusive<CrossbarWork>(rank_, type, nullptr, std::move(outputs), timeout);
-  issue(*work);  // validation errors surface here, synchronously
+  Ops ops;
+  ops.host = coll_.get();
+  issue(*work, ops);  // validation errors surface here, synchronously
   if (coalescing_) {
+    coalesced_kind_ = 1;
     coalesced_->children.push_back(work);
     return work;
   }
@@ -664,9 +843,121 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::submit(c10d::OpType type, const 
     }
   }
   cv_.notify_all();
-  (void)title;
   return work;
 }
+
+#if CROSSBAR_TORCH_CUDA
+
+CudaCollectives& CrossbarBackend::ensureCuda(int device, const char* op) {
+  if (cuda_) {
+    if (device != cuda_device_)
+      throw InvalidArgument(fmt::format(
+          "{}this process group runs CUDA tensors on cuda:{}, got a tensor on cuda:{}; use one device per rank "
+          "and group (torch.cuda.set_device(local_rank))",
+          errorContext(rank_, op), cuda_device_, device));
+    return *cuda_;
+  }
+  // Collective: every rank's first CUDA call creates it (same call on every rank).
+  CudaCollectivesOptions co;
+  co.device = device;
+  co.timeout = Millis(timeout_ms_.load());
+  cuda_ = std::make_shared<CudaCollectives>(comm_, co);
+  cuda_device_ = device;
+  cuda_thread_ = std::thread([this] { cudaLoop(); });
+  return *cuda_;
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::submitCuda(
+    c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, Millis timeout, const at::Tensor& on,
+    const std::function<void(CrossbarWork&, Ops&)>& issue) {
+  if (coalescing_ && coalesced_kind_ == 1)
+    throw InvalidUsage(errorContext(rank_, title) +
+                       "a coalescing block (batch_isend_irecv, _coalescing_manager) mixes CPU and CUDA tensors; "
+                       "use one device per block");
+  const int device = on.device().index();
+  CudaCollectives& cc = ensureCuda(device, title);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cudaStream_t stream = currentStream(device);
+  auto work = c10::make_intrusive<CrossbarWork>(rank_, type, nullptr, std::move(outputs), timeout,
+                                                std::vector<c10::Device>{on.device()});
+  if (coalescing_ && !cuda_group_open_) {
+    cc.groupStart();  // NCCL ops of the block launch together at endCoalescing
+    cuda_group_open_ = true;
+  }
+  Ops ops;
+  ops.host = coll_.get();
+  ops.cuda = &cc;
+  ops.stream = stream;
+  ops.cuda_group_open = &cuda_group_open_;
+  issue(*work, ops);
+  // Stream order: copies into non-contiguous or listed outputs go on the stream right
+  // after the operation, not after the host saw it finish.
+  if (work->post) std::exchange(work->post, nullptr)();
+  if (coalescing_) {
+    coalesced_kind_ = 2;
+    coalesced_->children.push_back(work);  // finished at endCoalescing, after the group launched
+    return work;
+  }
+  enqueuedOnCuda(work, stream);
+  return work;
+}
+
+void CrossbarBackend::enqueuedOnCuda(const c10::intrusive_ptr<CrossbarWork>& work, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  work->cuda_end = recordEvent(s, rank_);
+  // The future completes now; a CUDA-aware future makes its consumers' streams wait for
+  // what was enqueued on the current stream (DDP comm hooks chain on it).
+  work->getFuture()->markCompleted(c10::IValue(work->result()));
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    cuda_pending_.push_back(work);
+  }
+  cv_.notify_all();
+}
+
+void CrossbarBackend::cudaLoop() {
+  std::unique_lock<std::mutex> lk(m_);
+  while (true) {
+    cv_.wait(lk, [&] { return stop_ || !cuda_pending_.empty(); });
+    if (cuda_pending_.empty()) return;  // stopping and drained
+    c10::intrusive_ptr<CrossbarWork> w = cuda_pending_.front();
+    lk.unlock();
+    std::exception_ptr err;
+    bool done = w->waitUnderlying(Deadline::after(Millis(200)), &err);
+    if (!done && w->deadline.expired()) {
+      err = std::make_exception_ptr(Timeout(fmt::format(
+          "{}{} did not finish on cuda:{} within {} ms ({}); a peer may be missing or hung. The stream stays "
+          "blocked: abort the process group (and create a new one)",
+          errorContext(rank_, "cuda work"), c10d::opTypeToString(w->retrieveOpType()), cuda_device_,
+          w->getTimeout().count(), w->coll ? w->coll->description() : std::string("group"))));
+      done = true;
+    }
+    if (done) w->complete(err);
+    lk.lock();
+    if (done) {
+      cuda_pending_.pop_front();
+      if (err && !first_error_) first_error_ = err;
+    }
+  }
+}
+
+#else
+
+CudaCollectives& CrossbarBackend::ensureCuda(int /*device*/, const char* op) {
+  throw Unsupported(errorContext(rank_, op) + "this crossbar build has no CUDA path");
+}
+
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::submitCuda(c10d::OpType, const char* title, std::vector<at::Tensor>,
+                                                           Millis, const at::Tensor&,
+                                                           const std::function<void(CrossbarWork&, Ops&)>&) {
+  ensureCuda(-1, title);
+  return nullptr;
+}
+
+void CrossbarBackend::enqueuedOnCuda(const c10::intrusive_ptr<CrossbarWork>&, void*) {}
+void CrossbarBackend::cudaLoop() {}
+
+#endif
 
 // ---- collectives ----------------------------------------------------------------------------
 
@@ -676,13 +967,13 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::broadcast(std::vector<at::Tensor
   at::Tensor t = tensors[0];
   const int root = static_cast<int>(opts.rootRank);
   CollOptions o{timeoutOf(opts.timeout), "", 1.0};
-  return submit(c10d::OpType::BROADCAST, "broadcast", tensors, o.timeout, [&](CrossbarWork& w) {
+  return submit(c10d::OpType::BROADCAST, "broadcast", tensors, o.timeout, t, [&](CrossbarWork& w, Ops& ops) {
     std::vector<std::function<void()>> post;
     at::Tensor buf = outputStage(t, rank_ == root, post);
     Moved m = movedType(buf);
     w.keepalive = {buf};
     w.post = sequence(std::move(post));
-    w.coll = coll_->broadcast(buf.data_ptr(), elems(buf) * m.scale, m.type, root, o);
+    w.coll = ops.broadcast(buf.data_ptr(), elems(buf) * m.scale, m.type, root, o);
   });
 }
 
@@ -692,12 +983,12 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allreduce(std::vector<at::Tensor
   at::Tensor t = tensors[0];
   Reduction r = mapReduction(t.scalar_type(), opts.reduceOp, rank_, "allreduce");
   CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
-  return submit(c10d::OpType::ALLREDUCE, "allreduce", tensors, o.timeout, [&](CrossbarWork& w) {
+  return submit(c10d::OpType::ALLREDUCE, "allreduce", tensors, o.timeout, t, [&](CrossbarWork& w, Ops& ops) {
     std::vector<std::function<void()>> post;
     at::Tensor buf = outputStage(t, true, post);
     w.keepalive = {buf};
     w.post = sequence(std::move(post));
-    w.coll = coll_->allreduce(buf.data_ptr(), buf.data_ptr(), elems(buf), r.type, r.op, o);
+    w.coll = ops.allreduce(buf.data_ptr(), buf.data_ptr(), elems(buf), r.type, r.op, o);
   });
 }
 
@@ -709,20 +1000,20 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allreduce_coalesced(
     rs.push_back(mapReduction(t.scalar_type(), opts.reduceOp, rank_, "allreduce"));
   CollOptions o{timeoutOf(opts.timeout), "", rs.empty() ? 1.0 : rs[0].scalar};
   return submit(c10d::OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors, o.timeout,
-                [&](CrossbarWork& w) {
+                firstOf(tensors), [&](CrossbarWork& w, Ops& ops) {
                   std::vector<std::function<void()>> post;
-                  coll_->groupStart();
+                  ops.groupStart();
                   try {
                     for (size_t i = 0; i < tensors.size(); ++i) {
                       at::Tensor buf = outputStage(tensors[i], true, post);
                       w.keepalive.push_back(buf);
-                      coll_->allreduce(buf.data_ptr(), buf.data_ptr(), elems(buf), rs[i].type, rs[i].op, o);
+                      ops.allreduce(buf.data_ptr(), buf.data_ptr(), elems(buf), rs[i].type, rs[i].op, o);
                     }
                   } catch (...) {
-                    coll_->groupEnd();
+                    ops.groupEnd();
                     throw;
                   }
-                  w.coll = coll_->groupEnd();
+                  w.coll = ops.groupEnd();
                   w.post = sequence(std::move(post));
                 });
 }
@@ -734,13 +1025,13 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce(std::vector<at::Tensor>& 
   const int root = static_cast<int>(opts.rootRank);
   Reduction r = mapReduction(t.scalar_type(), opts.reduceOp, rank_, "reduce");
   CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
-  return submit(c10d::OpType::REDUCE, "reduce", tensors, o.timeout, [&](CrossbarWork& w) {
+  return submit(c10d::OpType::REDUCE, "reduce", tensors, o.timeout, t, [&](CrossbarWork& w, Ops& ops) {
     std::vector<std::function<void()>> post;
     at::Tensor buf = rank_ == root ? outputStage(t, true, post) : contiguousCopy(t);
     w.keepalive = {buf};
     w.post = sequence(std::move(post));
     // Non-root inputs stay unchanged (no receive buffer there).
-    w.coll = coll_->reduce(buf.data_ptr(), rank_ == root ? buf.data_ptr() : nullptr, elems(buf), r.type, r.op,
+    w.coll = ops.reduce(buf.data_ptr(), rank_ == root ? buf.data_ptr() : nullptr, elems(buf), r.type, r.op,
                            root, o);
   });
 }
@@ -762,7 +1053,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allgather(std::vector<std::vecto
                                         errorContext(rank_, "allgather"), in.numel(), o.numel()));
   }
   CollOptions o{timeoutOf(opts.timeout), "", 1.0};
-  return submit(c10d::OpType::ALLGATHER, "allgather", outs, o.timeout, [&](CrossbarWork& w) {
+  return submit(c10d::OpType::ALLGATHER, "allgather", outs, o.timeout, in, [&](CrossbarWork& w, Ops& ops) {
     at::Tensor src = contiguousCopy(in);
     at::Tensor flat = flatLike(in, in.numel() * size_);
     Moved m = movedType(src);
@@ -771,7 +1062,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allgather(std::vector<std::vecto
       for (size_t i = 0; i < outs.size(); ++i)
         outs[i].copy_(flat.narrow(0, static_cast<int64_t>(i) * n, n).view(outs[i].sizes()));
     };
-    w.coll = coll_->allgather(src.data_ptr(), flat.data_ptr(), elems(src) * m.scale, m.type, o);
+    w.coll = ops.allgather(src.data_ptr(), flat.data_ptr(), elems(src) * m.scale, m.type, o);
   });
 }
 
@@ -786,14 +1077,14 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::_allgather_base(at::Tensor& outp
                                       input.numel(), size_));
   CollOptions o{timeoutOf(opts.timeout), "", 1.0};
   return submit(c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {output}, o.timeout,
-                [&](CrossbarWork& w) {
+                input, [&](CrossbarWork& w, Ops& ops) {
                   std::vector<std::function<void()>> post;
                   at::Tensor out = outputStage(output, false, post);
                   at::Tensor src = contiguousCopy(input);
                   Moved m = movedType(src);
                   w.keepalive = {out, src};
                   w.post = sequence(std::move(post));
-                  w.coll = coll_->allgather(src.data_ptr(), out.data_ptr(), elems(src) * m.scale, m.type, o);
+                  w.coll = ops.allgather(src.data_ptr(), out.data_ptr(), elems(src) * m.scale, m.type, o);
                 });
 }
 
@@ -820,9 +1111,9 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allgather_coalesced(
   for (const auto& list : outputs) flat_outs.insert(flat_outs.end(), list.begin(), list.end());
   CollOptions o{timeoutOf(opts.timeout), "", 1.0};
   return submit(c10d::OpType::ALLGATHER_COALESCED, "allgather_coalesced", flat_outs, o.timeout,
-                [&](CrossbarWork& w) {
+                firstOf(inputs), [&](CrossbarWork& w, Ops& ops) {
                   std::vector<at::Tensor> flats;
-                  coll_->groupStart();
+                  ops.groupStart();
                   try {
                     for (const auto& in : inputs) {
                       at::Tensor src = contiguousCopy(in);
@@ -830,13 +1121,13 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allgather_coalesced(
                       Moved m = movedType(src);
                       w.keepalive.push_back(src);
                       flats.push_back(flat);
-                      coll_->allgather(src.data_ptr(), flat.data_ptr(), elems(src) * m.scale, m.type, o);
+                      ops.allgather(src.data_ptr(), flat.data_ptr(), elems(src) * m.scale, m.type, o);
                     }
                   } catch (...) {
-                    coll_->groupEnd();
+                    ops.groupEnd();
                     throw;
                   }
-                  w.coll = coll_->groupEnd();
+                  w.coll = ops.groupEnd();
                   w.keepalive.insert(w.keepalive.end(), flats.begin(), flats.end());
                   w.post = [outputs, flats]() mutable {
                     for (size_t r = 0; r < outputs.size(); ++r)
@@ -864,9 +1155,9 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allgather_into_tensor_coalesced(
   }
   CollOptions o{timeoutOf(opts.timeout), "", 1.0};
   return submit(allgatherCoalescedType<c10d::OpType>(0), "allgather_into_tensor_coalesced", outputs,
-                o.timeout, [&](CrossbarWork& w) {
+                o.timeout, firstOf(inputs), [&](CrossbarWork& w, Ops& ops) {
                   std::vector<std::function<void()>> post;
-                  coll_->groupStart();
+                  ops.groupStart();
                   try {
                     for (size_t i = 0; i < inputs.size(); ++i) {
                       at::Tensor out = outputStage(outputs[i], false, post);
@@ -874,13 +1165,13 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allgather_into_tensor_coalesced(
                       Moved m = movedType(src);
                       w.keepalive.push_back(out);
                       w.keepalive.push_back(src);
-                      coll_->allgather(src.data_ptr(), out.data_ptr(), elems(src) * m.scale, m.type, o);
+                      ops.allgather(src.data_ptr(), out.data_ptr(), elems(src) * m.scale, m.type, o);
                     }
                   } catch (...) {
-                    coll_->groupEnd();
+                    ops.groupEnd();
                     throw;
                   }
-                  w.coll = coll_->groupEnd();
+                  w.coll = ops.groupEnd();
                   w.post = sequence(std::move(post));
                 });
 }
@@ -907,7 +1198,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::gather(std::vector<std::vector<a
     throw InvalidArgument(errorContext(rank_, "gather") + "only the root passes output tensors");
   }
   CollOptions o{timeoutOf(opts.timeout), "", 1.0};
-  return submit(c10d::OpType::GATHER, "gather", outs, o.timeout, [&](CrossbarWork& w) {
+  return submit(c10d::OpType::GATHER, "gather", outs, o.timeout, in, [&](CrossbarWork& w, Ops& ops) {
     at::Tensor src = contiguousCopy(in);
     Moved m = movedType(src);
     w.keepalive = {src};
@@ -921,7 +1212,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::gather(std::vector<std::vector<a
           outs[i].copy_(flat.narrow(0, static_cast<int64_t>(i) * n, n).view(outs[i].sizes()));
       };
     }
-    w.coll = coll_->gather(src.data_ptr(), recv, elems(src) * m.scale, root, m.type, o);
+    w.coll = ops.gather(src.data_ptr(), recv, elems(src) * m.scale, root, m.type, o);
   });
 }
 
@@ -947,7 +1238,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::scatter(std::vector<at::Tensor>&
     throw InvalidArgument(errorContext(rank_, "scatter") + "only the root passes input tensors");
   }
   CollOptions o{timeoutOf(opts.timeout), "", 1.0};
-  return submit(c10d::OpType::SCATTER, "scatter", outputs, o.timeout, [&](CrossbarWork& w) {
+  return submit(c10d::OpType::SCATTER, "scatter", outputs, o.timeout, out, [&](CrossbarWork& w, Ops& ops) {
     std::vector<std::function<void()>> post;
     at::Tensor dst = outputStage(out, false, post);
     Moved m = movedType(dst);
@@ -961,7 +1252,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::scatter(std::vector<at::Tensor>&
       send = flat.data_ptr();
     }
     w.post = sequence(std::move(post));
-    w.coll = coll_->scatter(send, dst.data_ptr(), elems(dst) * m.scale, root, m.type, o);
+    w.coll = ops.scatter(send, dst.data_ptr(), elems(dst) * m.scale, root, m.type, o);
   });
 }
 
@@ -983,7 +1274,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce_scatter(std::vector<at::T
   }
   Reduction r = mapReduction(out.scalar_type(), opts.reduceOp, rank_, "reduce_scatter");
   CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
-  return submit(c10d::OpType::REDUCE_SCATTER, "reduce_scatter", outputs, o.timeout, [&](CrossbarWork& w) {
+  return submit(c10d::OpType::REDUCE_SCATTER, "reduce_scatter", outputs, o.timeout, out, [&](CrossbarWork& w, Ops& ops) {
     std::vector<std::function<void()>> post;
     at::Tensor dst = outputStage(out, false, post);
     std::vector<at::Tensor> flat_ins;
@@ -991,7 +1282,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce_scatter(std::vector<at::T
     at::Tensor flat = at::cat(flat_ins);
     w.keepalive = {dst, flat};
     w.post = sequence(std::move(post));
-    w.coll = coll_->reduceScatter(flat.data_ptr(), dst.data_ptr(), elems(dst), r.type, r.op, o);
+    w.coll = ops.reduceScatter(flat.data_ptr(), dst.data_ptr(), elems(dst), r.type, r.op, o);
   });
 }
 
@@ -1007,13 +1298,13 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::_reduce_scatter_base(at::Tensor&
   Reduction r = mapReduction(output.scalar_type(), opts.reduceOp, rank_, "reduce_scatter_tensor");
   CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
   return submit(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {output}, o.timeout,
-                [&](CrossbarWork& w) {
+                input, [&](CrossbarWork& w, Ops& ops) {
                   std::vector<std::function<void()>> post;
                   at::Tensor dst = outputStage(output, false, post);
                   at::Tensor src = contiguousCopy(input);
                   w.keepalive = {dst, src};
                   w.post = sequence(std::move(post));
-                  w.coll = coll_->reduceScatter(src.data_ptr(), dst.data_ptr(), elems(dst), r.type, r.op, o);
+                  w.coll = ops.reduceScatter(src.data_ptr(), dst.data_ptr(), elems(dst), r.type, r.op, o);
                 });
 }
 
@@ -1036,23 +1327,23 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce_scatter_tensor_coalesced(
   }
   CollOptions o{timeoutOf(opts.timeout), "", rs.empty() ? 1.0 : rs[0].scalar};
   return submit(reduceScatterCoalescedType<c10d::OpType>(0), "reduce_scatter_tensor_coalesced", outputs,
-                o.timeout, [&](CrossbarWork& w) {
+                o.timeout, firstOf(inputs), [&](CrossbarWork& w, Ops& ops) {
                   std::vector<std::function<void()>> post;
-                  coll_->groupStart();
+                  ops.groupStart();
                   try {
                     for (size_t i = 0; i < inputs.size(); ++i) {
                       at::Tensor dst = outputStage(outputs[i], false, post);
                       at::Tensor src = contiguousCopy(inputs[i]);
                       w.keepalive.push_back(dst);
                       w.keepalive.push_back(src);
-                      coll_->reduceScatter(src.data_ptr(), dst.data_ptr(), elems(dst), rs[i].type, rs[i].op,
+                      ops.reduceScatter(src.data_ptr(), dst.data_ptr(), elems(dst), rs[i].type, rs[i].op,
                                            o);
                     }
                   } catch (...) {
-                    coll_->groupEnd();
+                    ops.groupEnd();
                     throw;
                   }
-                  w.coll = coll_->groupEnd();
+                  w.coll = ops.groupEnd();
                   w.post = sequence(std::move(post));
                 });
 }
@@ -1104,7 +1395,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::alltoall_base(at::Tensor& output
   };
   std::vector<size_t> scounts = counts(input_splits, input, "input");
   std::vector<size_t> rcounts = counts(output_splits, output, "output");
-  return submit(c10d::OpType::ALLTOALL_BASE, op, {output}, o.timeout, [&](CrossbarWork& w) {
+  return submit(c10d::OpType::ALLTOALL_BASE, op, {output}, o.timeout, input, [&](CrossbarWork& w, Ops& ops) {
     std::vector<std::function<void()>> post;
     at::Tensor dst = outputStage(output, false, post);
     at::Tensor src = contiguousCopy(input);
@@ -1112,7 +1403,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::alltoall_base(at::Tensor& output
     w.keepalive = {dst, src};
     w.post = sequence(std::move(post));
     if (even) {
-      w.coll = coll_->alltoall(src.data_ptr(), dst.data_ptr(), elems(src) / size_ * m.scale, m.type, o);
+      w.coll = ops.alltoall(src.data_ptr(), dst.data_ptr(), elems(src) / size_ * m.scale, m.type, o);
       return;
     }
     std::vector<size_t> sd(size_), rd(size_);
@@ -1120,7 +1411,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::alltoall_base(at::Tensor& output
       for (auto& x : *v) x *= m.scale;
     std::exclusive_scan(scounts.begin(), scounts.end(), sd.begin(), size_t{0});
     std::exclusive_scan(rcounts.begin(), rcounts.end(), rd.begin(), size_t{0});
-    w.coll = coll_->alltoallv(src.data_ptr(), scounts, sd, dst.data_ptr(), rcounts, rd, m.type, o);
+    w.coll = ops.alltoallv(src.data_ptr(), scounts, sd, dst.data_ptr(), rcounts, rd, m.type, o);
   });
 }
 
@@ -1138,7 +1429,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::alltoall(std::vector<at::Tensor>
     checkSameType(inputs[i], inputs[0], rank_, "all_to_all");
   }
   CollOptions o{timeoutOf(opts.timeout), "", 1.0};
-  return submit(c10d::OpType::ALLTOALL, "all_to_all", outputs, o.timeout, [&](CrossbarWork& w) {
+  return submit(c10d::OpType::ALLTOALL, "all_to_all", outputs, o.timeout, inputs[0], [&](CrossbarWork& w, Ops& ops) {
     Moved m = movedType(inputs[0]);
     std::vector<at::Tensor> flat_ins;
     std::vector<size_t> sc(size_), rc(size_), sd(size_), rd(size_);
@@ -1161,14 +1452,14 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::alltoall(std::vector<at::Tensor>
         off += t.numel();
       }
     };
-    w.coll = coll_->alltoallv(src.data_ptr(), sc, sd, flat.data_ptr(), rc, rd, m.type, o);
+    w.coll = ops.alltoallv(src.data_ptr(), sc, sd, flat.data_ptr(), rc, rd, m.type, o);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> CrossbarBackend::barrier(const c10d::BarrierOptions& opts) {
   CollOptions o{timeoutOf(opts.timeout), "", 1.0};
   return submit(c10d::OpType::BARRIER, "barrier", {}, o.timeout,
-                [&](CrossbarWork& w) { w.coll = coll_->barrier(o); });
+                at::Tensor(), [&](CrossbarWork& w, Ops& ops) { w.coll = ops.barrier(o); });
 }
 
 // ---- point to point: straight on the Communicator, so a pending recv never holds up
@@ -1194,9 +1485,15 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::send(std::vector<at::Tensor>& te
   at::Tensor t = tensors[0];
   return submit(
       c10d::OpType::SEND, "send", tensors, Millis(timeout_ms_.load()),
-      [&](CrossbarWork& w) {
+      t, [&](CrossbarWork& w, Ops& ops) {
         at::Tensor src = contiguousCopy(t);
         w.keepalive = {src};
+        if (ops.onCuda()) {
+          Moved m = movedType(src);
+          w.coll = ops.send(src.data_ptr(), elems(src) * m.scale, m.type, dst, static_cast<uint32_t>(tag),
+                            CollOptions{Millis(timeout_ms_.load()), "", 1.0});
+          return;
+        }
         w.requests.push_back(comm_->isend(src.data_ptr(), src.nbytes(), dst, static_cast<uint32_t>(tag)));
       },
       true);
@@ -1208,9 +1505,18 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::recv(std::vector<at::Tensor>& te
   at::Tensor t = tensors[0];
   return submit(
       c10d::OpType::RECV, "recv", tensors, Millis(timeout_ms_.load()),
-      [&](CrossbarWork& w) {
+      t, [&](CrossbarWork& w, Ops& ops) {
         std::vector<std::function<void()>> post;
         at::Tensor dst = outputStage(t, false, post);
+        w.source_rank_ = src;
+        if (ops.onCuda()) {  // NCCL matches in order; it cannot check the size
+          Moved m = movedType(dst);
+          w.keepalive = {dst};
+          w.coll = ops.recv(dst.data_ptr(), elems(dst) * m.scale, m.type, src, static_cast<uint32_t>(tag),
+                            CollOptions{Millis(timeout_ms_.load()), "", 1.0});
+          w.post = sequence(std::move(post));
+          return;
+        }
         const size_t bytes = dst.nbytes();
         auto req = comm_->irecv(dst.data_ptr(), bytes, src, static_cast<uint32_t>(tag));
         post.insert(post.begin(), [req, bytes, src, rank = rank_] {
@@ -1221,7 +1527,6 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::recv(std::vector<at::Tensor>& te
         });
         w.keepalive = {dst};
         w.requests.push_back(req);
-        w.source_rank_ = src;
         w.post = sequence(std::move(post));
       },
       true);
@@ -1233,9 +1538,13 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::recvAnysource(std::vector<at::Te
     throw InvalidUsage(errorContext(rank_, "recv") + "a group of one rank has nobody to receive from");
   checkP2p(rank_ == 0 ? 1 : 0, size_, rank_, tag, "recv");  // the tag's range
   at::Tensor t = tensors[0];
+  if (t.is_cuda())
+    throw Unsupported(errorContext(rank_, "recv") +
+                      "receiving a CUDA tensor from any source is not supported (NCCL matches by peer); pass "
+                      "src=, or receive into a CPU tensor");
   return submit(
       c10d::OpType::RECVANYSOURCE, "recv_anysource", tensors, Millis(timeout_ms_.load()),
-      [&](CrossbarWork& w) {
+      t, [&](CrossbarWork& w, Ops& /*host only*/) {
         std::vector<std::function<void()>> post;
         at::Tensor dst = outputStage(t, false, post);
         const size_t bytes = dst.nbytes();
@@ -1266,6 +1575,7 @@ void CrossbarBackend::startCoalescing() {
                        "already coalescing; end the open batch first");
   coll_->groupStart();
   coalescing_ = true;
+  coalesced_kind_ = 0;
   coalesced_ = c10::make_intrusive<CrossbarWork>(rank_, c10d::OpType::COALESCED, nullptr,
                                                  std::vector<at::Tensor>{}, Millis(timeout_ms_.load()));
 }
@@ -1276,6 +1586,25 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::endCoalescing() {
   coalescing_ = false;
   c10::intrusive_ptr<CrossbarWork> w = std::move(coalesced_);
   WorkPtr group = coll_->groupEnd();
+  const int kind = std::exchange(coalesced_kind_, 0);
+#if CROSSBAR_TORCH_CUDA
+  if (kind == 2) {
+    // CUDA tensors: launch the block's NCCL group, then mark every part's end on the
+    // stream (after the launch) and the block's own.
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(cuda_device_));
+    WorkPtr cuda_group = cuda_group_open_ ? cuda_->groupEnd() : nullptr;
+    cuda_group_open_ = false;
+    cudaStream_t stream = currentStream(cuda_device_);
+    auto block = c10::make_intrusive<CrossbarWork>(
+        rank_, c10d::OpType::COALESCED, nullptr, std::vector<at::Tensor>{}, Millis(timeout_ms_.load()),
+        std::vector<c10::Device>{c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(cuda_device_))});
+    block->coll = cuda_group;
+    for (auto& c : w->children) enqueuedOnCuda(c, stream);
+    enqueuedOnCuda(block, stream);
+    return block;
+  }
+#endif
+  (void)kind;
   bool has_coll = false;
   std::vector<std::function<void()>> posts;
   for (auto& c : w->children) {

@@ -1,6 +1,10 @@
 // crossbar as a torch.distributed backend: a c10d::Backend over crossbar's Collectives
-// (collective ops, in issue order) and Communicator (point to point, truly nonblocking
-// like gloo's). CPU tensors only for now; CUDA tensors raise Unsupported.
+// (collective ops on CPU tensors, in issue order), Communicator (point to point, truly
+// nonblocking like gloo's) and, in CUDA builds, CudaCollectives for CUDA tensors
+// (stream-ordered on torch's current stream, like ProcessGroupNCCL).
+//
+// This header stays free of CUDA headers (module.cc and the bind_*.cc files include it);
+// CUDA types appear as opaque pointers, used only in backend.cc.
 //
 // Built against several torch versions: methods that not every supported version
 // declares are written without `override` (they override where the base has them and
@@ -28,6 +32,10 @@
 
 #define CROSSBAR_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+namespace crossbar {
+class CudaCollectives;
+}
 
 namespace crossbar::torch_backend {
 
@@ -58,8 +66,9 @@ class TorchStoreAdapter : public crossbar::Store {
 // future, so DDP communication hooks chain on getFuture().
 class CrossbarWork : public c10d::Work {
  public:
+  // `devices`: the CUDA device of a CUDA work (its future then synchronizes with streams).
   CrossbarWork(int rank, c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs,
-               Millis timeout);
+               Millis timeout, std::vector<c10::Device> devices = {});
   ~CrossbarWork() override;
 
   bool isCompleted() override;
@@ -67,7 +76,8 @@ class CrossbarWork : public c10d::Work {
   std::exception_ptr exception() const override;
   int sourceRank() const override { return source_rank_; }
   std::vector<at::Tensor> result() override { return outputs_; }
-  void synchronize() override {}
+  // CUDA: the current stream waits for the operation (the host does not block).
+  void synchronize() override;
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void abort() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
@@ -88,6 +98,14 @@ class CrossbarWork : public c10d::Work {
   std::vector<c10::intrusive_ptr<CrossbarWork>> children;  // a coalesced group's parts
   int source_rank_ = -1;
   Deadline deadline = Deadline::never();  // point to point: when the completion thread gives up
+
+  // CUDA works: the operation is enqueued on the caller's current stream of `cuda_device`
+  // and `cuda_end` (a cudaEvent_t) recorded there after it; the future completes at once
+  // (CUDA-aware: consumers' streams wait for the event), the completion thread only
+  // watches for errors and timeouts.
+  std::shared_ptr<void> cuda_end;
+  int cuda_device = -1;
+  bool isCuda() const { return cuda_end != nullptr || cuda_device >= 0; }
 
  private:
   std::vector<at::Tensor> outputs_;
@@ -182,12 +200,20 @@ class CrossbarBackend : public c10d::Backend {
 
  private:
   struct CollCall;
+  struct Ops;  // where one call's operations go (host Collectives or CudaCollectives + stream)
+  // `on`: the tensor whose device decides where the call runs (undefined: the host).
   c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
-                                        Millis timeout, const std::function<void(CrossbarWork&)>& issue,
-                                        bool p2p = false);
+                                        Millis timeout, const at::Tensor& on,
+                                        const std::function<void(CrossbarWork&, Ops&)>& issue, bool p2p = false);
   Millis timeoutOf(std::chrono::milliseconds requested) const;
   void ensureUsable(const char* op) const;
   void startThreads();
+  CudaCollectives& ensureCuda(int device, const char* op);
+  c10::intrusive_ptr<c10d::Work> submitCuda(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
+                                            Millis timeout, const at::Tensor& on,
+                                            const std::function<void(CrossbarWork&, Ops&)>& issue);
+  void enqueuedOnCuda(const c10::intrusive_ptr<CrossbarWork>& work, void* stream);
+  void cudaLoop();
   void completionLoop();
   void p2pLoop();
   void stopThreads();
@@ -205,11 +231,20 @@ class CrossbarBackend : public c10d::Backend {
   std::deque<c10::intrusive_ptr<CrossbarWork>> p2p_incoming_;
   bool stop_ = false;
   std::thread coll_thread_, p2p_thread_;
+
+  // CUDA tensors: one CudaCollectives (created by the first CUDA call, collectively) on
+  // one device; its works are watched in issue order by cuda_thread_.
+  std::shared_ptr<CudaCollectives> cuda_;
+  int cuda_device_ = -1;
+  std::deque<c10::intrusive_ptr<CrossbarWork>> cuda_pending_;
+  std::thread cuda_thread_;
+  bool cuda_group_open_ = false;  // a CudaCollectives group is open for the coalescing block
   std::atomic<bool> p2p_new_{false};
 
   // Coalescing (batch_isend_irecv, _coalescing_manager).
   bool coalescing_ = false;
   c10::intrusive_ptr<CrossbarWork> coalesced_;
+  int coalesced_kind_ = 0;  // 0: nothing yet, 1: CPU tensors, 2: CUDA tensors (not mixed)
 
   std::exception_ptr first_error_;  // for getError()
   // Timed-out point-to-point works whose buffers a transport may still write into.

@@ -95,6 +95,11 @@ PYBIND11_MODULE(_C, m) {
     d["compiler"] = CROSSBAR_COMPILER;
     d["cuda"] = static_cast<bool>(CROSSBAR_CUDA_ENABLED);
     d["torch_compiled"] = TORCH_VERSION;
+#if CROSSBAR_TORCH_CUDA
+    d["cuda_tensors"] = true;  // CUDA tensors run on CudaCollectives
+#else
+    d["cuda_tensors"] = false;
+#endif
     d["transports"] = std::vector<std::string>{"shm", "ucx"};
     return d;
   });
