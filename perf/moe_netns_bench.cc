@@ -349,7 +349,8 @@ class FlatAllToAll {
   }
 
  private:
-  uint32_t nextTag() { return 0x4E000000u + static_cast<uint32_t>(ops_++ % 0x100000) * 4; }
+  // Above the MoeBuffer tags (0x4D000000 + 2^27).
+  uint32_t nextTag() { return 0x60000000u + static_cast<uint32_t>(ops_++ % 0x100000) * 4; }
   std::shared_ptr<Communicator> comm_;
   MoeConfig cfg_;
   int R_ = 1, me_ = 0;

@@ -58,6 +58,7 @@ void translate(std::exception_ptr p) {
 }  // namespace
 
 void bindTelemetry(py::module_& m);  // bind_telemetry.cc
+void bindMoe(py::module_& m);        // bind_moe.cc
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "crossbar's torch.distributed backend (C++ part)";
@@ -88,6 +89,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_timeout", &CrossbarBackend::setTimeout);
 
   bindTelemetry(m);
+  bindMoe(m);
   m.def("_build_info", [] {
     py::dict d;
     d["version"] = CROSSBAR_VERSION;

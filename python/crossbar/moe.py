@@ -1,0 +1,182 @@
+"""Expert-parallel MoE all-to-all on a crossbar process group (two-level: over the network
+once per destination node, then inside the node through shared memory).
+
+::
+
+    import crossbar.moe as moe
+    buf = moe.Buffer(max_tokens=4096, hidden=7168, topk=8, num_experts=256, payload="fp8")
+    scores = router(x)                                   # [tokens, num_experts]
+    w, idx = scores.softmax(-1).topk(8)                  # top-k routing
+    d = buf.dispatch(x, idx, w)                          # collective
+    # d.x [num_recv, hidden]: tokens that have an expert here, by (source rank, token);
+    # d.topk_idx: local expert ids (-1: expert elsewhere), d.topk_weights (0 there)
+    y = run_experts(d)                                   # [num_recv, hidden]
+    out = buf.combine(y, d.handle)                       # [tokens, hidden] float32, collective
+
+Expert ``e`` lives on rank ``e // (num_experts // world)``. Payloads: ``"native"`` (x's own
+bf16/f32, bit exact), ``"fp8"`` (e4m3 + one f32 scale per 128 channels), ``"mxfp8"`` (e4m3 +
+E8M0 scale per 32), ``"nvfp4"`` (e2m1 + e4m3 scale per 16 + an f32 per-tensor scale). CPU
+tensors (the host path); every call is collective over the group, in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+__all__ = ["Buffer", "Dispatched", "Layout", "PAYLOADS"]
+
+PAYLOADS = ("native", "bf16", "fp8", "mxfp8", "nvfp4")
+
+
+@dataclasses.dataclass
+class Layout:
+    tokens_per_rank: torch.Tensor  # int32 [world]
+    tokens_per_node: torch.Tensor  # int32 [nodes]
+    tokens_per_expert: torch.Tensor  # int32 [num_experts]
+    is_token_in_rank: torch.Tensor  # bool [tokens, world]
+
+
+@dataclasses.dataclass
+class Dispatched:
+    x: torch.Tensor  # [num_recv, hidden] in the buffer's dtype (dequantized)
+    src_rank: torch.Tensor  # int32 [num_recv]
+    src_token: torch.Tensor  # int32 [num_recv]
+    recv_per_rank: torch.Tensor  # int32 [world]
+    topk_idx: torch.Tensor  # int64 [num_recv, topk]: local expert id, -1 elsewhere
+    topk_weights: torch.Tensor  # float32 [num_recv, topk]: 0 where topk_idx is -1
+    tokens_per_expert: torch.Tensor  # int32 [local experts]
+    expert_offsets: torch.Tensor  # int32 [local experts + 1]
+    expert_rows: torch.Tensor  # int32: row of x each expert-major row copies
+    expert_weights: torch.Tensor  # float32: its weight
+    x_expert_major: torch.Tensor  # [expert_rows.numel(), hidden]
+    handle: object  # pass to combine() or a cached dispatch()
+    metrics: dict
+    # return_quantized=True: the wire payload and scales per row, viewed in their torch types
+    # where torch has them (fp8: float8_e4m3fn payload, float32 scales; mxfp8: float8_e4m3fn,
+    # float8_e8m0fnu; nvfp4: packed uint8 (two e2m1 per byte, low nibble first), float8_e4m3fn).
+    q_payload: torch.Tensor | None = None
+    q_scales: torch.Tensor | None = None
+    q_global_scale: torch.Tensor | None = None  # nvfp4's per-tensor scale of the source rank
+
+    @property
+    def num_recv(self) -> int:
+        return self.x.shape[0]
+
+
+def _backend(group):
+    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError("crossbar.moe: call torch.distributed.init_process_group first")
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError as e:
+        raise RuntimeError(
+            "crossbar.moe needs a process group with crossbar for CPU tensors "
+            "(init_process_group('crossbar') or 'cpu:crossbar,cuda:nccl')"
+        ) from e
+    if not isinstance(backend, _C.ProcessGroupCrossbar):
+        raise RuntimeError(f"crossbar.moe: the group's CPU backend is {type(backend).__name__}, not crossbar")
+    return backend
+
+
+def _view(t: torch.Tensor, name: str):
+    dtype = getattr(torch, name, None)
+    return t.view(dtype) if dtype is not None and t.numel() else t
+
+
+class Buffer:
+    """Expert-parallel buffer: created once per group (collective), sized by max_tokens per rank."""
+
+    def __init__(
+        self,
+        group=None,
+        *,
+        max_tokens: int,
+        hidden: int,
+        topk: int,
+        num_experts: int,
+        dtype: torch.dtype = torch.bfloat16,
+        payload: str = "native",
+        return_quantized: bool = False,
+        expert_capacity: int = -1,
+        chunk_tokens: int = -1,
+        timeout: datetime.timedelta | None = None,
+    ):
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype {dtype}: tokens must be torch.bfloat16 or torch.float32")
+        if payload not in PAYLOADS:
+            raise ValueError(f"payload {payload!r}: use one of {PAYLOADS}")
+        if payload == "bf16" and dtype != torch.bfloat16:
+            raise ValueError("payload 'bf16' needs dtype=torch.bfloat16 (use 'native' for float32)")
+        self.hidden, self.topk, self.num_experts, self.dtype = hidden, topk, num_experts, dtype
+        self.payload = "native" if payload == "bf16" else payload
+        self._impl = _C._moe.Buffer(
+            _backend(group),
+            max_tokens,
+            hidden,
+            topk,
+            num_experts,
+            "float32" if dtype == torch.float32 else "bfloat16",
+            self.payload,
+            return_quantized,
+            expert_capacity,
+            chunk_tokens,
+            int(timeout.total_seconds() * 1000) if timeout is not None else 0,
+        )
+
+    @property
+    def num_local_experts(self) -> int:
+        return self._impl.num_local_experts
+
+    def layout(self, topk_idx: torch.Tensor, num_experts: int | None = None) -> Layout:
+        """Routing statistics of topk_idx [tokens, topk] (-1: no expert). Local."""
+        d = self._impl.layout(topk_idx.to(torch.int64).contiguous(), num_experts or self.num_experts)
+        return Layout(d["tokens_per_rank"], d["tokens_per_node"], d["tokens_per_expert"], d["is_token_in_rank"])
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None, handle=None):
+        """Sends each token [tokens, hidden] to the ranks of its top-k experts. Collective.
+
+        topk_idx: [tokens, topk] integer expert ids (-1: none); topk_weights: [tokens, topk]
+        (default 1). handle: from an earlier dispatch with the same topk_idx (skips the layout).
+        """
+        idx = topk_idx.to(torch.int64).contiguous()
+        w = topk_weights.to(torch.float32).contiguous() if topk_weights is not None else None
+        d = self._impl.dispatch(x.contiguous(), idx, w, handle)
+        out = Dispatched(
+            **{f.name: d[f.name] for f in dataclasses.fields(Dispatched) if f.name in d and not f.name.startswith("q_")}
+        )
+        if "q_payload" in d:
+            p, s = d["q_payload"], d["q_scales"]
+            if self.payload == "fp8":
+                p, s = _view(p, "float8_e4m3fn"), s.view(torch.float32)
+            elif self.payload == "mxfp8":
+                p, s = _view(p, "float8_e4m3fn"), _view(s, "float8_e8m0fnu")
+            else:
+                s = _view(s, "float8_e4m3fn")
+            out.q_payload, out.q_scales, out.q_global_scale = p, s, d["q_global_scale"]
+        return out
+
+    def combine(self, y: torch.Tensor, handle, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Per source token, the sum of its rows' y [num_recv, hidden] (times weights [num_recv]
+        when given), accumulated in float32: [tokens, hidden] float32. Collective."""
+        if y.dtype not in (torch.bfloat16, torch.float32):
+            y = y.to(torch.float32)
+        w = weights.to(torch.float32).contiguous() if weights is not None else None
+        out, _ = self._impl.combine(y.contiguous(), handle, w)
+        return out
+
+    def combine_expert_major(self, y: torch.Tensor, dispatched: Dispatched, weights: torch.Tensor | None = None):
+        """combine() of expert-major outputs [expert_rows.numel(), hidden]: each token's rows
+        are summed here (times weights per expert-major row, e.g. dispatched.expert_weights)."""
+        rows = torch.zeros(dispatched.num_recv, self.hidden, dtype=torch.float32)
+        yf = y.to(torch.float32)
+        if weights is not None:
+            yf = yf * weights.to(torch.float32).unsqueeze(1)
+        rows.index_add_(0, dispatched.expert_rows.to(torch.int64), yf)
+        return self.combine(rows, dispatched.handle)
