@@ -16,8 +16,6 @@ from torch.testing._internal.common_utils import run_tests  # noqa: E402
 # test module is imported (its decorators read these sets at import time).
 DistTestCases.backend_feature["ddp"].add("crossbar")
 DistTestCases.backend_feature["plugin"].add("crossbar")
-# recv without src: not supported yet (raises crossbar.Unsupported).
-DistTestCases.skip_collective["sendrecv anysource"].add("crossbar")
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,
