@@ -274,10 +274,14 @@ void Runner::printHeader(size_t max_bytes) {
                    backend_->memoryName(), n_, comm_->numNodes(),
                    o_.algo.empty() ? "auto (selection table)" : o_.algo);
   if (o_.cudagraph) h += "# Option -G (CUDA graph) has no effect in crossbar. Ignoring\n";
-  if (o_.local_register) h += "# Option -R (buffer registration) has no effect in crossbar. Ignoring\n";
+  const bool cuda = !std::strcmp(backend_->memoryName(), "cuda");
+  if (cuda && o_.local_register == 2) {
+    h += "# Buffers from the CUDA collectives' symmetric heap (-R 2): used in place, no staging copy\n";
+  } else if (o_.local_register) {
+    h += "# Option -R (buffer registration) has no effect here (-R 2 with --mem cuda only). Ignoring\n";
+  }
   if (o_.cta_policy >= 0) h += "# Option -x (CTA policy) has no effect in crossbar. Ignoring\n";
-  if (o_.stream_null && !std::strcmp(backend_->memoryName(), "host"))
-    h += "# Option -y (null stream) has no effect on host memory. Ignoring\n";
+  if (o_.stream_null && !cuda) h += "# Option -y (null stream) has no effect on host memory. Ignoring\n";
   if (o_.parallel_init) h += "# Option -p (parallel init) has no effect: one rank per process. Ignoring\n";
   h += "#\n# Using devices\n";
   print(h);

@@ -303,6 +303,8 @@ if want torch; then
       lim=$(limit 120)
       if [ "$lim" = 0 ]; then
         record "torch pytest -k cuda" SKIP "out of time"
+      elif ! python3 -c 'import pytest' 2>/dev/null; then
+        record "torch pytest -k cuda" SKIP "pytest is not installed for python3 (pip install pytest)"
       else
         (cd "$ROOT" && CROSSBAR_BUILD_DIR=$TEXT timeout "$lim" python3 -m pytest -q -x -k cuda \
           -p no:cacheprovider tests/python) > "$LOG/torch-pytest.log" 2>&1
