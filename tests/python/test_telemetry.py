@@ -1,8 +1,8 @@
 """crossbar.telemetry through the Python API on the crossbar backend: a 4-rank synthetic
 training job (real all_reduce on crossbar, a torch optimizer with the step hook) where
-rank 3 is slow in step 3's forward and rank 1's data loader stalls in step 5; the report
-(crossbar-report and the C++ aggregator) names both, and the step only rank 0 finished
-is not reported. Planted delays are 300 ms; nothing else depends on timing."""
+rank 3 is slow in step 3's forward, rank 1's data loader stalls in step 5 and rank 2
+leaks 8 MiB per step; the report (crossbar-report and the C++ aggregator) names all three,
+and the step only rank 0 finished is not reported. Planted delays are 300 ms; nothing else depends on timing."""
 
 import json
 import os
@@ -17,6 +17,7 @@ from dist_utils import run_ranks
 
 SLOW_RANK, SLOW_STEP = 3, 3
 STALL_RANK, STALL_STEP = 1, 5
+LEAK_RANK, LEAK_PER_STEP = 2, 8 << 20
 STEPS = 8
 DELAY_S = 0.3
 
@@ -36,11 +37,14 @@ def _job(rank, world, outdir):
     w = torch.nn.Parameter(torch.zeros(64))
     opt = torch.optim.SGD([w], lr=0.1)
     hook = tel.register_optimizer(opt)
+    leaked = []
     for step, batch in enumerate(tel.timed(_loader(rank, STEPS))):
         with tel.phase("forward"):
             if rank == SLOW_RANK and step == SLOW_STEP:
                 time.sleep(DELAY_S)
             loss = ((w - batch) ** 2).sum()
+        if rank == LEAK_RANK:
+            leaked.append(b"\x01" * LEAK_PER_STEP)  # written, so resident at once
         with tel.phase("backward"):
             loss.backward()
             dist.all_reduce(w.grad)  # on crossbar: recorded by the collectives
@@ -100,10 +104,14 @@ def test_synthetic_job_names_straggler_and_stall(tmp_path):
         assert STALL_RANK in by_step[STALL_STEP]["stalls"]
         # (no assertion on other steps' stalls: a 20 ms scheduling hiccup on a busy
         # machine is a real, if small, stall)
+        creep = {c["rank"]: c for c in r["creep"]}
+        assert creep[LEAK_RANK]["flagged"], creep
+        assert creep[LEAK_RANK]["slope_bytes_per_step"] > LEAK_PER_STEP / 2
     findings = "\n".join(report["findings"])
     assert f"step {SLOW_STEP}: straggler rank {SLOW_RANK}" in findings
     assert f"step {STALL_STEP}: data-loader stall on rank {STALL_RANK}" in findings
     assert f"steps {STEPS}" in findings
+    assert f"memory creep on rank {LEAK_RANK}" in findings
 
 
 def test_disabled_records_nothing(tmp_path):
