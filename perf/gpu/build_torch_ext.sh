@@ -57,8 +57,18 @@ echo "torch $TORCH_VERSION at $TORCH_ROOT; python include $PY_INC; extension _C$
 
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 DEFS="-D_GLIBCXX_USE_CXX11_ABI=1 -DFMT_HEADER_ONLY=1"
-# The prebuilt libraries' CUDA collectives (collectives/CMakeLists.txt makes this PUBLIC).
-if grep -q '^cuda_collectives=1' "$PREBUILT/MANIFEST" 2>/dev/null; then DEFS="$DEFS -DCROSSBAR_HAVE_CUDA_COLLECTIVES=1"; fi
+# The prebuilt libraries' CUDA collectives (collectives/CMakeLists.txt makes this PUBLIC), and
+# CUDA tensors in the backend when this torch is a CUDA build (as torch_backend/CMakeLists.txt).
+TORCH_CUDA=0 CUDA_LINK=""
+if grep -q '^cuda_collectives=1' "$PREBUILT/MANIFEST" 2>/dev/null; then
+  DEFS="$DEFS -DCROSSBAR_HAVE_CUDA_COLLECTIVES=1"
+  if [ -e "$TORCH_ROOT/lib/libc10_cuda.so" ]; then
+    TORCH_CUDA=1
+    DEFS="$DEFS -DCROSSBAR_TORCH_CUDA=1"
+    CUDA_LINK="$TORCH_ROOT/lib/libc10_cuda.so -L$CUDA_HOME/lib64 -lcudart -Wl,-rpath,$CUDA_HOME/lib64"
+  fi
+fi
+echo "CUDA tensors: $([ $TORCH_CUDA = 1 ] && echo enabled || echo "disabled (no CUDA collectives in the prebuilt libraries or a CPU torch)")"
 INCS="-I$ROOT -I$PREBUILT/include -isystem $ROOT/third_party/fmt/include -isystem $TORCH_ROOT/include
   -isystem $TORCH_ROOT/include/torch/csrc/api/include -isystem $PY_INC"
 [ -d "$CUDA_HOME/include" ] && INCS="$INCS -isystem $CUDA_HOME/include"
@@ -91,10 +101,9 @@ for l in moe collectives telemetry symmem_cuda symmem comm; do
   [ -e "$PREBUILT/lib/libcrossbar_$l.so.0" ] && LIBS="$LIBS $PREBUILT/lib/libcrossbar_$l.so.0"
 done
 TLIBS="$TORCH_ROOT/lib/libtorch.so $TORCH_ROOT/lib/libtorch_cpu.so $TORCH_ROOT/lib/libc10.so $TORCH_ROOT/lib/libtorch_python.so"
-for l in libtorch_cuda.so libc10_cuda.so; do [ -e "$TORCH_ROOT/lib/$l" ] && TLIBS="$TLIBS $TORCH_ROOT/lib/$l"; done
 EXT=$OUT/python/crossbar/_C$EXT_SUFFIX
 # shellcheck disable=SC2086
-g++ -shared -o "$EXT" "${objs[@]}" $LIBS $TLIBS -Wl,-rpath,"$PREBUILT/lib" -Wl,-rpath,"$TORCH_ROOT/lib"
+g++ -shared -o "$EXT" "${objs[@]}" $LIBS $TLIBS $CUDA_LINK -Wl,-rpath,"$PREBUILT/lib" -Wl,-rpath,"$TORCH_ROOT/lib"
 for f in "$ROOT"/python/crossbar/*.py; do ln -sf "$f" "$OUT/python/crossbar/$(basename "$f")"; done
 echo "built $EXT"
 
