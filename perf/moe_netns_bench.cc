@@ -173,10 +173,19 @@ std::string netnsUnavailable() {
   std::string probe = fmt::format("cbxmoeprobe{}", getpid());
   std::string out = shell("ip netns add " + probe, &st);
   if (st != 0) return "'ip netns add' failed: " + out;
+  // What the topology needs besides: veth pairs, and tc's tbf qdisc (a kernel module).
+  std::string why;
+  out = shell(fmt::format("ip -n {} link add cbxprobea type veth peer name cbxprobeb", probe), &st);
+  if (st != 0) why = "cannot create veth pairs: " + out;
+  if (why.empty()) {
+    out = shell(fmt::format("ip netns exec {} tc qdisc add dev cbxprobea root tbf rate 1gbit burst 262144 "
+                            "latency 200ms",
+                            probe),
+                &st);
+    if (st != 0) why = "tc tbf is unavailable: " + out;
+  }
   shell("ip netns del " + probe, &st);
-  out = shell("tc -V", &st);
-  if (st != 0) return "tc is missing: " + out;
-  return "";
+  return why;
 }
 
 // Single-core memcpy bandwidth (bytes/s): the intra-node path's ceiling here.
