@@ -59,6 +59,9 @@ void translate(std::exception_ptr p) {
 
 void bindTelemetry(py::module_& m);  // bind_telemetry.cc
 void bindMoe(py::module_& m);        // bind_moe.cc
+namespace crossbar::torch_backend {
+void bindFt(py::module_& m);  // bind_ft.cc
+}
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "crossbar's torch.distributed backend (C++ part)";
@@ -90,6 +93,7 @@ PYBIND11_MODULE(_C, m) {
 
   bindTelemetry(m);
   bindMoe(m);
+  crossbar::torch_backend::bindFt(m);
   m.def("_build_info", [] {
     py::dict d;
     d["version"] = CROSSBAR_VERSION;

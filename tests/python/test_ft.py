@@ -1,0 +1,154 @@
+"""crossbar.ft: a training loop over a fault-tolerant process group loses a rank
+(SIGKILL mid-loop), shrinks to the survivors and keeps training with correct
+allreduce results; a replacement process then joins and the group grows back.
+
+Processes are forked from this one (importing torch in each would take seconds); the
+store is a torch TCPStore served by its own process, so it outlives every rank.
+Each process writes its outcome to a JSON file; nothing is parsed from stdout.
+"""
+
+import datetime
+import json
+import multiprocessing
+import os
+import signal
+import traceback
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+crossbar = pytest.importorskip("crossbar")
+from crossbar import ft  # noqa: E402
+
+WORLD = 4
+VICTIM = 2
+KILL_STEP = 3
+GROW_STEP = 6
+STEPS = 9
+
+
+def _serve_store(conn):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    conn.send(store.port)
+    conn.recv()  # serve until the test is done
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+
+
+def _sync_state(group, model, step):
+    """Newcomers (and survivors that got a step further than others before the
+    failure) take group rank 0's parameters and step."""
+    for p in model.parameters():
+        dist.broadcast(p.data, group_src=0, group=group)
+    s = torch.tensor([step], dtype=torch.int64)
+    dist.broadcast(s, group_src=0, group=group)
+    return int(s.item())
+
+
+def _train(who, port, out_dir):
+    out = {"who": who, "sizes": [], "faults": [], "errors": []}
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+        opts = dict(name="train", timeout=60, detect_timeout=3)
+        joiner = who == "joiner"
+        g = ft.FaultTolerantGroup.join(store, **opts) if joiner else ft.FaultTolerantGroup(store, who, WORLD, **opts)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        step = _sync_state(g.group, model, 0)
+        grown = joiner
+        out["sizes"].append(g.size)
+        while step < STEPS:
+            try:
+                if who == VICTIM and step == KILL_STEP:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                # Closed form: every member contributes (its rank + 1).
+                t = torch.full((4096,), float(g.rank + 1))
+                dist.all_reduce(t, group=g.group)
+                want = g.size * (g.size + 1) / 2
+                if not bool(torch.all(t == want)):
+                    out["errors"].append(f"step {step}: allreduce gave {t[0].item()}, want {want}")
+                x, y = _batch(step, g.rank)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, group=g.group)
+                    p.grad /= g.size
+                opt.step()
+                opt.zero_grad()
+                step += 1
+            except ft.FAILURES as e:
+                out["faults"] += [dataclass_dict(f) for f in g.handle_error(e)]
+                opt.zero_grad()
+                g.shrink()
+                out["sizes"].append(g.size)
+                step = _sync_state(g.group, model, step)
+                continue
+            if step == GROW_STEP and not grown:
+                g.grow(WORLD)
+                grown = True
+                out["sizes"].append(g.size)
+                step = _sync_state(g.group, model, step)
+        # Every member ends with the same parameters.
+        for p in model.parameters():
+            hi, lo = p.data.clone(), p.data.clone()
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=g.group)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=g.group)
+            if not torch.equal(hi, lo):
+                out["errors"].append("parameters differ between members")
+        out["final"] = {"rank": g.rank, "size": g.size, "epoch": g.epoch, "step": step}
+        g.close()
+    except BaseException:  # noqa: BLE001 - reported through the file
+        out["errors"].append(traceback.format_exc())
+    with open(os.path.join(out_dir, f"{who}.json"), "w") as f:
+        json.dump(out, f)
+    os._exit(0)
+
+
+def dataclass_dict(f):
+    return {"rank": f.rank, "kind": f.kind, "description": f.description}
+
+
+def test_training_survives_killed_rank_and_grows_back(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_serve_store, args=(child,), daemon=True)
+    server.start()
+    port = parent.recv()
+    procs = {who: ctx.Process(target=_train, args=(who, port, str(tmp_path))) for who in [*range(WORLD), "joiner"]}
+    try:
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.join(timeout=240)
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join()
+        parent.send("done")
+        server.join(timeout=10)
+        if server.is_alive():
+            server.kill()
+
+    victim_out = tmp_path / f"{VICTIM}.json"
+    assert procs[VICTIM].exitcode == -signal.SIGKILL, victim_out.read_text() if victim_out.exists() else "no output"
+    for who, p in procs.items():
+        if who == VICTIM:
+            continue
+        path = tmp_path / f"{who}.json"
+        assert p.exitcode == 0 and path.exists(), f"{who}: exit {p.exitcode}"
+        out = json.loads(path.read_text())
+        assert out["errors"] == [], f"{who}: {out['errors']}"
+        assert out["final"]["size"] == WORLD and out["final"]["step"] == STEPS, out
+        if who == "joiner":
+            assert out["sizes"] == [WORLD] and out["final"]["rank"] == WORLD - 1, out
+            continue
+        # Survivors: 4 -> 3 (the victim, reported dead) -> 4 (the joiner).
+        assert out["sizes"] == [WORLD, WORLD - 1, WORLD], out
+        assert out["final"]["epoch"] == 2, out
+        assert {(f["rank"], f["kind"]) for f in out["faults"]} == {(VICTIM, "dead")}, out["faults"]
