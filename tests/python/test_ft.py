@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import signal
+import time
 import traceback
 
 import pytest
@@ -66,6 +67,7 @@ def _train(who, port, out_dir):
         while step < STEPS:
             try:
                 if who == VICTIM and step == KILL_STEP:
+                    store.set("test/killed_at", str(time.monotonic_ns()))
                     os.kill(os.getpid(), signal.SIGKILL)
                 # Closed form: every member contributes (its rank + 1).
                 t = torch.full((4096,), float(g.rank + 1))
@@ -73,6 +75,8 @@ def _train(who, port, out_dir):
                 want = g.size * (g.size + 1) / 2
                 if not bool(torch.all(t == want)):
                     out["errors"].append(f"step {step}: allreduce gave {t[0].item()}, want {want}")
+                if "shrunk_ms" in out and "first_ok_ms" not in out:
+                    out["first_ok_ms"] = _since_kill(store)
                 x, y = _batch(step, g.rank)
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 for p in model.parameters():
@@ -83,8 +87,10 @@ def _train(who, port, out_dir):
                 step += 1
             except ft.FAILURES as e:
                 out["faults"] += [dataclass_dict(f) for f in g.handle_error(e)]
+                out["detected_ms"] = _since_kill(store)
                 opt.zero_grad()
                 g.shrink()
+                out["shrunk_ms"] = _since_kill(store)
                 out["sizes"].append(g.size)
                 step = _sync_state(g.group, model, step)
                 continue
@@ -107,6 +113,10 @@ def _train(who, port, out_dir):
     with open(os.path.join(out_dir, f"{who}.json"), "w") as f:
         json.dump(out, f)
     os._exit(0)
+
+
+def _since_kill(store):
+    return (time.monotonic_ns() - int(store.get("test/killed_at"))) / 1e6
 
 
 def dataclass_dict(f):
@@ -136,6 +146,7 @@ def test_training_survives_killed_rank_and_grows_back(tmp_path):
             server.kill()
 
     victim_out = tmp_path / f"{VICTIM}.json"
+    timings = []
     assert procs[VICTIM].exitcode == -signal.SIGKILL, victim_out.read_text() if victim_out.exists() else "no output"
     for who, p in procs.items():
         if who == VICTIM:
@@ -152,3 +163,7 @@ def test_training_survives_killed_rank_and_grows_back(tmp_path):
         assert out["sizes"] == [WORLD, WORLD - 1, WORLD], out
         assert out["final"]["epoch"] == 2, out
         assert {(f["rank"], f["kind"]) for f in out["faults"]} == {(VICTIM, "dead")}, out["faults"]
+        timings.append(f"rank {who}: detected {out['detected_ms']:.0f}, shrunk {out['shrunk_ms']:.0f}, "
+                       f"first correct allreduce {out['first_ok_ms']:.0f}")
+    # One line from the parent (shown with -s): ms after the SIGKILL.
+    print("crossbar.ft recovery, ms after the kill:", "; ".join(timings))
