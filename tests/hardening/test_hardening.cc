@@ -443,12 +443,12 @@ TEST(Parsers, EnvEdgeCasesFoundByFuzzing) {
 
 TEST(Parsers, HostlistExpansionIsBounded) {
   // Found while writing the fuzz target: several groups multiplied past any memory, and a
-  // 1M-name range took quadratic time (vector front erase).
-  const auto t0 = Clock::now();
+  // 1M-name range took quadratic time (vector front erase: ~2e10 string moves for the
+  // last case, far beyond the test's ctest timeout; no wall-clock check here, which a
+  // loaded or sanitized run would break).
   EXPECT_THROW(expandHostlist("n[0-999999][0-999999]"), InvalidArgument);
   EXPECT_THROW(expandHostlist("a[0-600000],b[0-600000]"), InvalidArgument);
   EXPECT_EQ(expandHostlist("n[1-200000]").size(), 200000u);
-  EXPECT_LT(Clock::now() - t0, 10s);
 }
 
 }  // namespace
