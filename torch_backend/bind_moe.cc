@@ -64,7 +64,7 @@ class PyBuffer {
  public:
   PyBuffer(const py::object& backend, size_t max_tokens, size_t hidden, int topk, int num_experts,
            const std::string& dtype, const std::string& format, bool return_quantized, int64_t expert_capacity,
-           int64_t chunk_tokens, int64_t timeout_ms) {
+           int64_t chunk_tokens, int64_t timeout_ms, const std::string& combine_wire) {
     auto& b = backend.cast<CrossbarBackend&>();
     MoeConfig cfg;
     cfg.max_tokens = max_tokens;
@@ -79,6 +79,9 @@ class PyBuffer {
     cfg.expert_capacity = expert_capacity;
     cfg.chunk_tokens = chunk_tokens;
     cfg.timeout = Millis(timeout_ms);
+    if (combine_wire != "bfloat16" && combine_wire != "float32")
+      throw InvalidArgument("combine_wire '" + combine_wire + "': use bfloat16 or float32");
+    cfg.combine_wire = combine_wire == "bfloat16" ? DataType::kBFloat16 : DataType::kFloat32;
     comm_ = b.communicator().shared_from_this();
     py::gil_scoped_release release;
     buf_ = MoeBuffer::create(comm_, cfg);
@@ -211,10 +214,10 @@ void bindMoe(py::module_& m) {
   });
   py::class_<PyBuffer>(s, "Buffer")
       .def(py::init<const py::object&, size_t, size_t, int, int, const std::string&, const std::string&, bool, int64_t,
-                    int64_t, int64_t>(),
+                    int64_t, int64_t, const std::string&>(),
            py::arg("backend"), py::arg("max_tokens"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"),
            py::arg("dtype"), py::arg("format"), py::arg("return_quantized"), py::arg("expert_capacity"),
-           py::arg("chunk_tokens"), py::arg("timeout_ms"))
+           py::arg("chunk_tokens"), py::arg("timeout_ms"), py::arg("combine_wire"))
       .def("layout", &PyBuffer::layout)
       .def("dispatch", &PyBuffer::dispatch)
       .def("combine", &PyBuffer::combine)

@@ -106,12 +106,19 @@ class Buffer:
         return_quantized: bool = False,
         expert_capacity: int = -1,
         chunk_tokens: int = -1,
+        combine_wire: torch.dtype = torch.float32,
         timeout: datetime.timedelta | None = None,
     ):
+        """chunk_tokens: rows per pipelined network chunk (-1: CROSSBAR_MOE_CHUNK_TOKENS, 0: one).
+        combine_wire: type of combine's per-node partial sums on the network (torch.bfloat16
+        halves those bytes; each partial is rounded once). expert_capacity: per local expert,
+        assignments beyond it are dropped (-1: none)."""
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"dtype {dtype}: tokens must be torch.bfloat16 or torch.float32")
         if payload not in PAYLOADS:
             raise ValueError(f"payload {payload!r}: use one of {PAYLOADS}")
+        if combine_wire not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"combine_wire {combine_wire}: torch.float32 or torch.bfloat16")
         if payload == "bf16" and dtype != torch.bfloat16:
             raise ValueError("payload 'bf16' needs dtype=torch.bfloat16 (use 'native' for float32)")
         self.hidden, self.topk, self.num_experts, self.dtype = hidden, topk, num_experts, dtype
@@ -128,6 +135,7 @@ class Buffer:
             expert_capacity,
             chunk_tokens,
             int(timeout.total_seconds() * 1000) if timeout is not None else 0,
+            "bfloat16" if combine_wire == torch.bfloat16 else "float32",
         )
 
     @property

@@ -123,6 +123,14 @@ def check(rank, world, payload):
         torch.testing.assert_close(out_em, ref, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(plain, ref_plain, rtol=1e-6, atol=1e-6)
 
+    if payload == "bf16":
+        # bf16 partial sums on the network: one bf16 rounding per node's partial.
+        half = moe.Buffer(max_tokens=MAX_TOKENS, hidden=HIDDEN, topk=TOPK, num_experts=E, combine_wire=torch.bfloat16)
+        d = half.dispatch(x, idx, w)
+        y = d.x.float() * 1.5
+        exact = buf.combine(y, buf.dispatch(x, idx, w).handle)
+        torch.testing.assert_close(half.combine(y, d.handle), exact, rtol=2 ** -7, atol=1e-3)
+
 
 def roundtrip_from_peers(d, x, rank):
     """x as the receivers decoded it: every rank all-gathers the rows it received, so each
