@@ -33,8 +33,8 @@ jobs=${JOBS:-$(nproc)}
 quick_tests=(test_store test_hardening test_bootstrap test_topology test_reduce test_float_types test_quant)
 # TSan in CI: the tests whose point is threads and processes sharing memory (progress
 # engines, shm rings, signal pads, the collectives' queue and workers, failure detection).
-tsan_tests=(test_communicator test_shm_transport test_any_source test_store test_symmem test_symmetric_pool
-  test_copy_engine test_collectives test_call_check test_bad_input test_ft)
+tsan_tests=(test_communicator test_shm_transport test_any_source test_store test_symmem test_collectives
+  test_call_check test_bad_input test_ft)
 # Not under sanitizers: the install test builds a separate consumer project (no sanitizer
 # flags), and GPU tests skip on CI machines anyway.
 ctest_exclude='install|gpu'
