@@ -130,7 +130,8 @@ std::string Member::id() const {
 
 FailureDetector::FailureDetector(std::shared_ptr<Store> epoch_store, std::shared_ptr<Communicator> comm,
                                  std::vector<Member> members, Millis detect_timeout,
-                                 Millis heartbeat_interval, std::shared_ptr<CallbackList> callbacks)
+                                 Millis heartbeat_interval, std::shared_ptr<CallbackList> callbacks,
+                                 bool data_path_probes)
     : store_(std::move(epoch_store)),
       comm_(std::move(comm)),
       members_(std::move(members)),
@@ -144,7 +145,7 @@ FailureDetector::FailureDetector(std::shared_ptr<Store> epoch_store, std::shared
   last_change_.assign(members_.size(), now);
   last_tick_ = last_heartbeat_ = now;
   // Peers on other nodes are reached over the network, which can fail on its own.
-  for (int r = 0; r < static_cast<int>(members_.size()); ++r)
+  for (int r = 0; data_path_probes && r < static_cast<int>(members_.size()); ++r)
     if (r != rank_ && std::string_view(comm_->context().transportName(comm_->worldRank(r))) == "ucx")
       probes_.push_back(Probe{r, nullptr, {}, now, false});
   thread_ = std::thread([this] { run(); });
@@ -624,8 +625,9 @@ void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int m
   comm_ = Communicator::create(ctx_store, my_rank, static_cast<int>(members.size()), co);
   epoch_ = epoch;
   members_ = members;
-  detector_ = std::make_unique<FailureDetector>(epochStore(epoch, true), comm_, std::move(members),
-                                                detect_timeout_, heartbeat_interval_, callbacks_);
+  detector_ =
+      std::make_unique<FailureDetector>(epochStore(epoch, true), comm_, std::move(members), detect_timeout_,
+                                        heartbeat_interval_, callbacks_, options_.data_path_probes);
   if (my_rank == 0) store_->set("epoch", std::to_string(epoch));
 }
 

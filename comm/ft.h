@@ -81,6 +81,7 @@ struct FtOptions {
   Millis detect_timeout{0};               // 0: CROSSBAR_FT_DETECT_TIMEOUT
   Millis heartbeat_interval{0};           // 0: CROSSBAR_FT_HEARTBEAT
   std::shared_ptr<Store> detector_store;  // default: the main store (see above)
+  bool data_path_probes = true;           // probe peers on other nodes (cut-link detection)
 };
 
 // Something built per epoch over the communicator (an NCCL communicator, a torch
@@ -117,7 +118,7 @@ class FailureDetector {
  public:
   FailureDetector(std::shared_ptr<Store> epoch_store, std::shared_ptr<Communicator> comm,
                   std::vector<Member> members, Millis detect_timeout, Millis heartbeat_interval,
-                  std::shared_ptr<CallbackList> callbacks);
+                  std::shared_ptr<CallbackList> callbacks, bool data_path_probes = true);
   ~FailureDetector();
   FailureDetector(const FailureDetector&) = delete;
   FailureDetector& operator=(const FailureDetector&) = delete;
