@@ -17,13 +17,12 @@
 // Every run first checks that both paths deliver the same tokens (bit for bit) and the same
 // combine sums (f32 tolerance); a mismatch exits 1. Times are the slowest rank's mean.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
@@ -127,7 +126,8 @@ class NetnsTopology {
     // UCX lists devices from /sys/class/net: give this process a sysfs of the new namespace,
     // as `ip netns exec` does (own mount namespace; /dev/shm stays the shared one).
     if (unshare(CLONE_NEWNS) != 0) throwSystemError(-1, "unshare(CLONE_NEWNS)", errno);
-    if (mount("", "/", nullptr, MS_SLAVE | MS_REC, nullptr) != 0) throwSystemError(-1, "mount / slave", errno);
+    if (mount("", "/", nullptr, MS_SLAVE | MS_REC, nullptr) != 0)
+      throwSystemError(-1, "mount / slave", errno);
     umount2("/sys", MNT_DETACH);
     if (mount(node(m).c_str(), "/sys", "sysfs", 0, nullptr) != 0) throwSystemError(-1, "mount sysfs", errno);
   }
@@ -138,8 +138,8 @@ class NetnsTopology {
     int st;
     std::string out = shell(cmd, &st);
     if (st != 0)
-      throw SystemError(fmt::format("moe_netns_bench: '{}' failed: {}(run as root with iproute2 installed)", cmd,
-                                    out));
+      throw SystemError(
+          fmt::format("moe_netns_bench: '{}' failed: {}(run as root with iproute2 installed)", cmd, out));
   }
   // 10 ms worth of tokens (at least 256 KiB, so one GSO packet always fits).
   static std::string burstFor(const std::string& rate) {
@@ -159,7 +159,8 @@ class NetnsTopology {
       std::string name = list.substr(p, e - p);
       p = e;
       long pid = std::strtol(name.c_str() + 6, nullptr, 10);
-      if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) shell("ip netns del " + name, &st);
+      if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)
+        shell("ip netns del " + name, &st);
     }
   }
   std::string prefix_;
@@ -400,7 +401,8 @@ std::string check(const MoeConfig& cfg, MoeBuffer& buf, FlatAllToAll& flat, cons
                          d.src_token[i], rec.src_rank[p], rec.src_token[p]);
     flat.decode(rec, p, row.data());
     if (std::memcmp(row.data(), d.x.data() + i * H * 2, H * 2) != 0)
-      return fmt::format("rank {}: token ({}, {}) differs between the paths", me, d.src_rank[i], d.src_token[i]);
+      return fmt::format("rank {}: token ({}, {}) differs between the paths", me, d.src_rank[i],
+                         d.src_token[i]);
   }
   // Expert e's output: x * scale(e). Two-level: each rank sums its experts' weighted outputs
   // per row; flat: one output per pair, weighted at the source.
@@ -425,8 +427,8 @@ std::string check(const MoeConfig& cfg, MoeBuffer& buf, FlatAllToAll& flat, cons
   auto fl = flat.combine(rec, yf.data(), DataType::kFloat32, routing.topk_weights.data());
   for (size_t i = 0; i < two.size(); ++i)
     if (std::fabs(two[i] - fl[i]) > 1e-4f * (1.0f + std::fabs(fl[i])))
-      return fmt::format("rank {}: combine of token {} channel {}: two-level {} flat {}", me, i / H, i % H, two[i],
-                         fl[i]);
+      return fmt::format("rank {}: combine of token {} channel {}: two-level {} flat {}", me, i / H, i % H,
+                         two[i], fl[i]);
   return "";
 }
 
@@ -446,12 +448,14 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     if (me == 0) std::fputs(s.c_str(), stdout), std::fflush(stdout);
   };
   const int E = o.experts;
-  print(fmt::format("# moe_netns_bench: {} nodes x {} ranks, {}; {} experts, top-{}, max nodes/token {}, "
-                    "{} tokens/rank, hidden {}, two-level combine partials {}\n",
-                    comm->numNodes(), comm->localSize(), link, E, o.topk, o.max_nodes, o.tokens, o.hidden,
-                    o.combine_wire == DataType::kFloat32 ? "f32" : "bf16"));
-  print(fmt::format("# {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10} {:>10}\n", "format", "2l disp",
-                    "2l comb", "2l total", "flat disp", "flat comb", "flat total", "speedup", "2l net MB", "flat MB"));
+  print(
+      fmt::format("# moe_netns_bench: {} nodes x {} ranks, {}; {} experts, top-{}, max nodes/token {}, "
+                  "{} tokens/rank, hidden {}, two-level combine partials {}\n",
+                  comm->numNodes(), comm->localSize(), link, E, o.topk, o.max_nodes, o.tokens, o.hidden,
+                  o.combine_wire == DataType::kFloat32 ? "f32" : "bf16"));
+  print(fmt::format("# {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10} {:>10}\n", "format",
+                    "2l disp", "2l comb", "2l total", "flat disp", "flat comb", "flat total", "speedup",
+                    "2l net MB", "flat MB"));
   print("# (times in ms, slowest rank's mean; net MB: inter-node bytes per rank, dispatch + combine)\n");
   RoutingOptions ro;
   ro.num_experts = E;
@@ -480,7 +484,8 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     }
     cfg.combine_wire = o.combine_wire;
     auto buf = MoeBuffer::create(comm, cfg);
-    if (!err.empty()) std::fprintf(stderr, "moe_netns_bench: MISMATCH (%s): %s\n", payloadFormatName(f), err.c_str());
+    if (!err.empty())
+      std::fprintf(stderr, "moe_netns_bench: MISMATCH (%s): %s\n", payloadFormatName(f), err.c_str());
     if (maxOf(err.empty() ? 0.0 : 1.0) > 0) {
       ++failures;
       continue;
@@ -491,7 +496,8 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
       const bool timed = it >= o.warmup;
       comm->barrier();
       auto t0 = Clock::now();
-      DispatchResult d = buf->dispatch(x.data(), o.tokens, routing.topk_idx.data(), routing.topk_weights.data());
+      DispatchResult d =
+          buf->dispatch(x.data(), o.tokens, routing.topk_idx.data(), routing.topk_weights.data());
       auto t1 = Clock::now();
       comm->barrier();
       auto t2 = Clock::now();
@@ -526,10 +532,11 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     disp_of[f] = t[0];
     total_of[f] = two;
     flat_total_of[f] = fl;
-    print(fmt::format("  {:>7} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>7.2f}x {:>10.2f} "
-                      "{:>10.2f}\n",
-                      f == PayloadFormat::kNative ? "bf16" : payloadFormatName(f), t[0], t[1], two, t[2], t[3], fl,
-                      fl / two, net2, netf));
+    print(
+        fmt::format("  {:>7} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>7.2f}x {:>10.2f} "
+                    "{:>10.2f}\n",
+                    f == PayloadFormat::kNative ? "bf16" : payloadFormatName(f), t[0], t[1], two, t[2], t[3],
+                    fl, fl / two, net2, netf));
   }
   if (total_of.count(PayloadFormat::kNative))
     print(fmt::format("# two-level vs flat, bf16 dispatch+combine: {:.2f}x (target >= 2x)\n",
@@ -626,7 +633,8 @@ int main(int argc, char** argv) {
       double bw = memcpyBandwidth();
       if (o.rate == "auto") o.rate = fmt::format("{}mbit", static_cast<uint64_t>(bw / 3 * 8 / 1e6));
       topo = std::make_unique<NetnsTopology>(o.nodes, o.rate);
-      link = fmt::format("namespaces, inter-node links tc tbf {} each way (memcpy {:.1f} GB/s)", o.rate, bw / 1e9);
+      link = fmt::format("namespaces, inter-node links tc tbf {} each way (memcpy {:.1f} GB/s)", o.rate,
+                         bw / 1e9);
     }
     const int size = o.nodes * o.ranks_per_node;
     auto exits = launchLocalRanks(size, [&](int rank, int sz, std::shared_ptr<Store> store) {

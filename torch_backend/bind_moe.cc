@@ -45,7 +45,8 @@ void requireCpuContiguous(const at::Tensor& t, const char* what) {
   if (!t.device().is_cpu())
     throw Unsupported(std::string(what) + " is on " + t.device().str() +
                       ": crossbar.moe runs on CPU tensors (host path); move it with .cpu()");
-  if (!t.is_contiguous()) throw InvalidArgument(std::string(what) + " must be contiguous (call .contiguous())");
+  if (!t.is_contiguous())
+    throw InvalidArgument(std::string(what) + " must be contiguous (call .contiguous())");
 }
 
 PayloadFormat formatOf(const std::string& s) {
@@ -63,8 +64,9 @@ struct PyHandle {
 class PyBuffer {
  public:
   PyBuffer(const py::object& backend, size_t max_tokens, size_t hidden, int topk, int num_experts,
-           const std::string& dtype, const std::string& format, bool return_quantized, int64_t expert_capacity,
-           int64_t chunk_tokens, int64_t timeout_ms, const std::string& combine_wire) {
+           const std::string& dtype, const std::string& format, bool return_quantized,
+           int64_t expert_capacity, int64_t chunk_tokens, int64_t timeout_ms,
+           const std::string& combine_wire) {
     auto& b = backend.cast<CrossbarBackend&>();
     MoeConfig cfg;
     cfg.max_tokens = max_tokens;
@@ -97,7 +99,8 @@ class PyBuffer {
     const int64_t R = comm_->size(), T = topk_idx.size(0);
     py::dict d;
     d["tokens_per_rank"] = toTensor(l.tokens_per_rank, at::kInt, {R});
-    d["tokens_per_node"] = toTensor(l.tokens_per_node, at::kInt, {static_cast<int64_t>(l.tokens_per_node.size())});
+    d["tokens_per_node"] =
+        toTensor(l.tokens_per_node, at::kInt, {static_cast<int64_t>(l.tokens_per_node.size())});
     d["tokens_per_expert"] = toTensor(l.tokens_per_expert, at::kInt, {num_experts});
     d["is_token_in_rank"] = toTensor(l.is_token_in_rank, at::kBool, {T, R});
     d["token_node_pairs"] = l.token_node_pairs;
@@ -142,7 +145,9 @@ class PyBuffer {
     d["expert_rows"] = toTensor(r.expert_rows, at::kInt, {m});
     d["expert_weights"] = toTensor(r.expert_weights, at::kFloat, {m});
     d["x_expert_major"] =
-        toTensor(r.x_expert_major, at::kByte, {static_cast<int64_t>(r.x_expert_major.size())}).view(st).view({m, H});
+        toTensor(r.x_expert_major, at::kByte, {static_cast<int64_t>(r.x_expert_major.size())})
+            .view(st)
+            .view({m, H});
     if (!r.q_payload.empty() || (cfg.return_quantized && cfg.format != PayloadFormat::kNative)) {
       const int64_t pb = n ? static_cast<int64_t>(r.q_payload.size()) / n : 0;
       const int64_t sb = n ? static_cast<int64_t>(r.q_scales.size()) / n : 0;
@@ -166,11 +171,12 @@ class PyBuffer {
   py::tuple combine(const at::Tensor& y, const PyHandle& h, const std::optional<at::Tensor>& weights) {
     const auto& cfg = buf_->config();
     if (!h.handle) throw InvalidArgument("combine: empty handle");
-    const int64_t n = static_cast<int64_t>(moe::handleNumRecv(*h.handle)), H = static_cast<int64_t>(cfg.hidden);
+    const int64_t n = static_cast<int64_t>(moe::handleNumRecv(*h.handle)),
+                  H = static_cast<int64_t>(cfg.hidden);
     requireCpuContiguous(y, "y");
     if (y.dim() != 2 || y.size(0) != n || y.size(1) != H)
-      throw InvalidArgument("y must be [num_recv, hidden] = [" + std::to_string(n) + ", " + std::to_string(H) +
-                            "] (the rows dispatch returned)");
+      throw InvalidArgument("y must be [num_recv, hidden] = [" + std::to_string(n) + ", " +
+                            std::to_string(H) + "] (the rows dispatch returned)");
     const DataType yt = dataTypeOf(y, "y");
     const float* w = nullptr;
     if (weights) {
@@ -187,8 +193,9 @@ class PyBuffer {
     py::dict metrics;
     metrics["inter_node_bytes"] = r.metrics.inter_node_bytes;
     metrics["intra_node_bytes"] = r.metrics.intra_node_bytes;
-    return py::make_tuple(toTensor(r.out, at::kFloat, {static_cast<int64_t>(r.out.size()) / std::max<int64_t>(H, 1), H}),
-                          metrics);
+    return py::make_tuple(
+        toTensor(r.out, at::kFloat, {static_cast<int64_t>(r.out.size()) / std::max<int64_t>(H, 1), H}),
+        metrics);
   }
 
   int numLocalExperts() const { return buf_->numLocalExperts(); }
@@ -197,7 +204,8 @@ class PyBuffer {
  private:
   static void requireIdx(const at::Tensor& idx) {
     requireCpuContiguous(idx, "topk_idx");
-    if (idx.scalar_type() != at::kLong || idx.dim() != 2) throw InvalidArgument("topk_idx must be int64 [tokens, topk]");
+    if (idx.scalar_type() != at::kLong || idx.dim() != 2)
+      throw InvalidArgument("topk_idx must be int64 [tokens, topk]");
   }
   std::shared_ptr<Communicator> comm_;
   std::unique_ptr<MoeBuffer> buf_;
@@ -213,11 +221,12 @@ void bindMoe(py::module_& m) {
     return h.handle ? crossbar::moe::handleNumRecv(*h.handle) : 0;
   });
   py::class_<PyBuffer>(s, "Buffer")
-      .def(py::init<const py::object&, size_t, size_t, int, int, const std::string&, const std::string&, bool, int64_t,
-                    int64_t, int64_t, const std::string&>(),
-           py::arg("backend"), py::arg("max_tokens"), py::arg("hidden"), py::arg("topk"), py::arg("num_experts"),
-           py::arg("dtype"), py::arg("format"), py::arg("return_quantized"), py::arg("expert_capacity"),
-           py::arg("chunk_tokens"), py::arg("timeout_ms"), py::arg("combine_wire"))
+      .def(py::init<const py::object&, size_t, size_t, int, int, const std::string&, const std::string&, bool,
+                    int64_t, int64_t, int64_t, const std::string&>(),
+           py::arg("backend"), py::arg("max_tokens"), py::arg("hidden"), py::arg("topk"),
+           py::arg("num_experts"), py::arg("dtype"), py::arg("format"), py::arg("return_quantized"),
+           py::arg("expert_capacity"), py::arg("chunk_tokens"), py::arg("timeout_ms"),
+           py::arg("combine_wire"))
       .def("layout", &PyBuffer::layout)
       .def("dispatch", &PyBuffer::dispatch)
       .def("combine", &PyBuffer::combine)

@@ -53,8 +53,8 @@ PayloadCodec payloadCodec(PayloadFormat f) {
 struct MoeHandle {
   const void* owner = nullptr;
   size_t tokens = 0, num_recv = 0;
-  size_t chunk = 1;                                // rows per network chunk this rank sends
-  std::vector<std::vector<int32_t>> node_send;     // [node]: own tokens bound for it, in order
+  size_t chunk = 1;                             // rows per network chunk this rank sends
+  std::vector<std::vector<int32_t>> node_send;  // [node]: own tokens bound for it, in order
   // F, the rows this rank forwards: node m's are F[fwd_start[m], + fwd_count[m]), sent to us
   // in chunks of fwd_chunk[m] rows (the own node's block first).
   std::vector<size_t> fwd_start, fwd_count, fwd_chunk;
@@ -116,8 +116,8 @@ struct MoeBuffer::Impl {
   size_t es = 2;                             // element size of cfg.dtype
   size_t off_topk = 0, off_w = 0, off_scales = 0, off_payload = 0, scale_bytes = 0, payload_bytes = 0;
   size_t row = 0, fmax = 0, dslot = 0, cslot = 0;
-  size_t chunk = 1;                                      // rows per network chunk
-  std::vector<uint8_t> enc;                              // this call's encoded tokens
+  size_t chunk = 1;          // rows per network chunk
+  std::vector<uint8_t> enc;  // this call's encoded tokens
   symm::SymmetricHeap heap;
   std::shared_ptr<symm::SymmetricBuffer> dbuf, cbuf;
   uint64_t dispatches = 0, combines = 0, ops = 0;
@@ -427,7 +427,8 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   std::vector<char*> slot(im.L);
   std::vector<size_t> pos(im.L, 0);
   for (int j = 0; j < im.L; ++j)
-    slot[j] = im.dbuf->peer<char>(im.node_ranks[im.me_node][j], static_cast<size_t>(im.me_local) * im.dslot) + 16;
+    slot[j] =
+        im.dbuf->peer<char>(im.node_ranks[im.me_node][j], static_cast<size_t>(im.me_local) * im.dslot) + 16;
   h->fwd_to_local.assign(im.L, {});
   std::vector<int64_t> mark(im.L, -1);
   auto forward = [&](size_t f, const uint8_t* rec) {
@@ -471,9 +472,10 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
                                                    "(max_tokens {})",
                                                    peer, count, cm, cfg.max_tokens));
     if (cached && count != cached->fwd_count[m])
-      throw InvalidUsage(im.ctx(op) + fmt::format("rank {} sent {} rows where the cached handle expects {}: every "
-                                                  "rank must pass a handle of the same earlier dispatch",
-                                                  peer, count, cached->fwd_count[m]));
+      throw InvalidUsage(im.ctx(op) +
+                         fmt::format("rank {} sent {} rows where the cached handle expects {}: every "
+                                     "rank must pass a handle of the same earlier dispatch",
+                                     peer, count, cached->fwd_count[m]));
     h->fwd_start[m] = next_f;
     h->fwd_count[m] = count;
     h->fwd_chunk[m] = cm;
@@ -519,7 +521,8 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     uint64_t count;
     std::memcpy(&count, s, 8);
     if (count > im.fmax)
-      throw InternalError(im.ctx(op) + fmt::format("rank {} forwarded {} rows (at most {} fit)", f, count, im.fmax));
+      throw InternalError(im.ctx(op) +
+                          fmt::format("rank {} forwarded {} rows (at most {} fit)", f, count, im.fmax));
     if (cached && count != cached->recv_rows[j].size())
       throw InvalidUsage(im.ctx(op) +
                          fmt::format("rank {} forwarded {} rows where the cached handle expects {}", f, count,
@@ -733,11 +736,12 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
       const void* src = acc.data() + (h.fwd_start[m] + lo) * H;
       if (wire16) {
         auto* b = reinterpret_cast<BFloat16*>(acc16.data()) + (h.fwd_start[m] + lo) * H;
-        for (size_t e = 0; e < (hi - lo) * H; ++e) b[e] = BFloat16::fromFloat(acc[(h.fwd_start[m] + lo) * H + e]);
+        for (size_t e = 0; e < (hi - lo) * H; ++e)
+          b[e] = BFloat16::fromFloat(acc[(h.fwd_start[m] + lo) * H + e]);
         src = b;
       }
-      sends.push_back(im.comm->isend(src, (hi - lo) * H * ws,
-                                     im.node_ranks[m][im.me_local], tag + static_cast<uint32_t>(c)));
+      sends.push_back(im.comm->isend(src, (hi - lo) * H * ws, im.node_ranks[m][im.me_local],
+                                     tag + static_cast<uint32_t>(c)));
       res.metrics.inter_node_bytes += (hi - lo) * H * ws;
       pump(sends);
     }
@@ -761,7 +765,8 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
       if (!own && i % h.chunk == 0) recvs[m][i / h.chunk]->wait(dl);
       float* o = res.out.data() + static_cast<size_t>(list[i]) * H;
       if (own || !wire16) {
-        const float* s = own ? acc.data() + (h.fwd_start[m] + i) * H : reinterpret_cast<const float*>(back[m].data()) + i * H;
+        const float* s = own ? acc.data() + (h.fwd_start[m] + i) * H
+                             : reinterpret_cast<const float*>(back[m].data()) + i * H;
         for (size_t c = 0; c < H; ++c) o[c] += s[c];
       } else {
         const auto* s = reinterpret_cast<const BFloat16*>(back[m].data()) + i * H;

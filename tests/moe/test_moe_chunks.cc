@@ -43,13 +43,14 @@ void expectSame(const Outcome& a, const Outcome& b, const char* what) {
   EXPECT_EQ(a.dispatch_metrics.intra_node_bytes, b.dispatch_metrics.intra_node_bytes);
 }
 
-Outcome runOnce(std::shared_ptr<Communicator> comm, MoeConfig cfg, size_t tokens, const std::vector<BFloat16>& x,
-                const Routing& routing) {
+Outcome runOnce(std::shared_ptr<Communicator> comm, MoeConfig cfg, size_t tokens,
+                const std::vector<BFloat16>& x, const Routing& routing) {
   auto buf = MoeBuffer::create(comm, cfg);
   Outcome o;
   std::shared_ptr<const MoeHandle> handle;
   for (int pass = 0; pass < 2; ++pass) {  // pass 1: cached handle; must give the same again
-    DispatchResult d = buf->dispatch(x.data(), tokens, routing.topk_idx.data(), routing.topk_weights.data(), handle);
+    DispatchResult d =
+        buf->dispatch(x.data(), tokens, routing.topk_idx.data(), routing.topk_weights.data(), handle);
     handle = d.handle;
     // y: a row-dependent, non-trivial function of x so the f32 sums have rounding to get wrong.
     std::vector<float> y(d.num_recv * cfg.hidden), w(d.num_recv);
@@ -58,7 +59,8 @@ Outcome runOnce(std::shared_ptr<Communicator> comm, MoeConfig cfg, size_t tokens
       for (size_t c = 0; c < cfg.hidden; ++c) {
         BFloat16 b;
         std::memcpy(&b, d.x.data() + (i * cfg.hidden + c) * 2, 2);
-        y[i * cfg.hidden + c] = b.toFloat() * (1.0f + 0.1f * static_cast<float>(d.src_rank[i] % 3)) + 1e-3f * c;
+        y[i * cfg.hidden + c] =
+            b.toFloat() * (1.0f + 0.1f * static_cast<float>(d.src_rank[i] % 3)) + 1e-3f * c;
       }
     }
     Outcome cur;

@@ -1,10 +1,9 @@
 // Kernels of moe_codec.h: one thread per scale block of one row (the block functions of
 // collectives/quant.h, which the host runs too), rows spread over the grid's y dimension.
-#include "collectives/moe/cuda/moe_codec.h"
-
 #include <algorithm>
 #include <string>
 
+#include "collectives/moe/cuda/moe_codec.h"
 #include "comm/errors.h"
 
 namespace crossbar::moe::cuda {
@@ -19,8 +18,8 @@ void check(cudaError_t e, const char* what) {
 }
 
 template <class T>
-__global__ void quantizeKernel(PayloadCodec codec, const T* x, const int32_t* src_rows, size_t rows, RowLayout l,
-                               uint8_t* payload, uint8_t* scales, float global_scale) {
+__global__ void quantizeKernel(PayloadCodec codec, const T* x, const int32_t* src_rows, size_t rows,
+                               RowLayout l, uint8_t* payload, uint8_t* scales, float global_scale) {
   const size_t row = blockIdx.y;
   const size_t b = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= rows || b >= numBlocks(codec, l.hidden)) return;
@@ -98,8 +97,9 @@ void validate(PayloadCodec codec, DataType dtype, const RowLayout& l, const char
   if (dtype != DataType::kBFloat16 && dtype != DataType::kFloat32)
     throw InvalidArgument(std::string("moe codec ") + op + ": rows must be bfloat16 or float32");
   if (l.payload_stride < payloadBytes(codec, l.hidden) || l.scale_stride < scaleBytes(codec, l.hidden))
-    throw InvalidArgument(std::string("moe codec ") + op + ": strides (" + std::to_string(l.payload_stride) + ", " +
-                          std::to_string(l.scale_stride) + ") are smaller than a row's payload and scales (" +
+    throw InvalidArgument(std::string("moe codec ") + op + ": strides (" + std::to_string(l.payload_stride) +
+                          ", " + std::to_string(l.scale_stride) +
+                          ") are smaller than a row's payload and scales (" +
                           std::to_string(payloadBytes(codec, l.hidden)) + ", " +
                           std::to_string(scaleBytes(codec, l.hidden)) + ")");
 }
@@ -113,13 +113,14 @@ dim3 gridFor(PayloadCodec codec, const RowLayout& l, size_t rows) {
 }  // namespace
 
 void quantizeRows(PayloadCodec codec, DataType dtype, const void* x, const int32_t* src_rows, size_t rows,
-                  const RowLayout& l, uint8_t* payload, uint8_t* scales, float global_scale, cudaStream_t stream) {
+                  const RowLayout& l, uint8_t* payload, uint8_t* scales, float global_scale,
+                  cudaStream_t stream) {
   validate(codec, dtype, l, "quantize");
   if (rows == 0 || l.hidden == 0) return;
   const dim3 grid = gridFor(codec, l, rows);
   if (dtype == DataType::kFloat32)
-    quantizeKernel<<<grid, kThreads, 0, stream>>>(codec, static_cast<const float*>(x), src_rows, rows, l, payload,
-                                                  scales, global_scale);
+    quantizeKernel<<<grid, kThreads, 0, stream>>>(codec, static_cast<const float*>(x), src_rows, rows, l,
+                                                  payload, scales, global_scale);
   else
     quantizeKernel<<<grid, kThreads, 0, stream>>>(codec, static_cast<const BFloat16*>(x), src_rows, rows, l,
                                                   payload, scales, global_scale);
@@ -127,8 +128,8 @@ void quantizeRows(PayloadCodec codec, DataType dtype, const void* x, const int32
 }
 
 void dequantizeRows(PayloadCodec codec, DataType dtype, const uint8_t* payload, const uint8_t* scales,
-                    const float* global_scales, size_t rows, const RowLayout& l, void* out, const int32_t* dst_rows,
-                    cudaStream_t stream) {
+                    const float* global_scales, size_t rows, const RowLayout& l, void* out,
+                    const int32_t* dst_rows, cudaStream_t stream) {
   validate(codec, dtype, l, "dequantize");
   if (rows == 0 || l.hidden == 0) return;
   const dim3 grid = gridFor(codec, l, rows);
