@@ -13,6 +13,19 @@
 
 #include <torch/version.h>
 
+// CROSSBAR_TORCH_CUDA: CUDA tensors run on CudaCollectives. CMake sets it (0 or 1: a CUDA
+// build against a torch with libc10_cuda); builds without CMake (perf/gpu/build_torch_ext.sh)
+// get it from the prebuilt libraries' CUDA collectives and torch's CUDA headers, and must
+// then link libc10_cuda.
+#ifndef CROSSBAR_TORCH_CUDA
+#if defined(CROSSBAR_HAVE_CUDA_COLLECTIVES) && __has_include(<c10/cuda/CUDAStream.h>) && \
+    __has_include(<cuda_runtime_api.h>)
+#define CROSSBAR_TORCH_CUDA 1
+#else
+#define CROSSBAR_TORCH_CUDA 0
+#endif
+#endif
+
 #include <chrono>
 #include <condition_variable>
 #include <deque>
