@@ -24,29 +24,38 @@ namespace fpdetail {
 // mantissa bits whose smallest normal exponent is `emin` (= 1 - bias). Returns the
 // format's magnitude code (exponent field << m | mantissa); the result may exceed the
 // largest finite code, which the caller treats as overflow.
-CROSSBAR_HDI uint32_t roundMagnitude(uint32_t absBits, int m, int emin) {
-  int e = static_cast<int>(absBits >> 23);
-  uint32_t sig = absBits & 0x7FFFFFu;
-  int exp;  // |x| = sig * 2^(exp - 23)
-  if (e == 0) {
-    exp = -126;  // binary32 subnormal: no implicit bit
-  } else {
-    exp = e - 127;
-    sig |= 0x800000u;
-  }
+// Branch-free: selects instead of branches, because the round-up decision depends on the
+// data and a branch on it mispredicts about half the time. Bit-identical to the original
+// branchy version kept as the oracle in tests/collectives/quant_reference.h.
+CROSSBAR_HDI uint32_t roundMagnitudeBranchFree(uint32_t absBits, int m, int emin) {
+  uint32_t e = absBits >> 23;
+  uint32_t sig = (absBits & 0x7FFFFFu) | (e != 0 ? 0x800000u : 0u);  // implicit bit
+  int exp = (e != 0 ? static_cast<int>(e) : 1) - 127;  // |x| = sig * 2^(exp - 23)
   // The target's quantum at this magnitude is 2^(max(exp, emin) - m); below emin the
   // target is subnormal and the quantum stops shrinking.
   int qexp = exp > emin ? exp : emin;
   int shift = 23 - m + (qexp - exp);
-  if (shift > 30) shift = 30;  // sig < 2^24 is below half a quantum: rounds to 0
-  uint32_t q = sig >> shift;
-  uint32_t rem = sig & ((1u << shift) - 1u);
+  shift = shift > 30 ? 30 : shift;  // sig < 2^24 is below half a quantum: rounds to 0
+  // Round to nearest, ties to even: adding half - 1 plus the kept LSB carries into the
+  // kept bits exactly when the remainder is above half, or equal to it with an odd LSB.
   uint32_t half = 1u << (shift - 1);
-  if (rem > half || (rem == half && (q & 1u))) ++q;  // ties to even
+  uint32_t q = (sig + (half - 1u) + ((sig >> shift) & 1u)) >> shift;
   // Normal: q = 2^m + mantissa, so adding (qexp - emin) << m yields the biased exponent;
   // a mantissa carry (q = 2^(m+1)) or a subnormal rounding up to 2^m both carry into the
   // exponent field naturally.
   return (static_cast<uint32_t>(qexp - emin) << m) + q;
+}
+
+// Same result; faster when most inputs are normals of the target (fp8 / half payloads
+// scaled to their block maximum): one predictable branch, then constant shifts on the
+// binary32 bits themselves. E2M1 uses the branch-free form (half its values are subnormal).
+CROSSBAR_HDI uint32_t roundMagnitude(uint32_t absBits, int m, int emin) {
+  if (static_cast<int>(absBits >> 23) - 127 < emin) return roundMagnitudeBranchFree(absBits, m, emin);
+  // The quantum is 2^(23 - m) units of absBits; a mantissa carry rounds into the exponent
+  // field, and rebiasing the exponent (127 -> 1 - emin) gives the target code.
+  uint32_t keep = static_cast<uint32_t>(23 - m);
+  uint32_t r = (absBits + ((1u << (keep - 1)) - 1u) + ((absBits >> keep) & 1u)) >> keep;
+  return r - (static_cast<uint32_t>(127 + emin - 1) << m);
 }
 
 // binary32 bits of the finite magnitude code `mag` of a format with m mantissa bits and
@@ -156,7 +165,7 @@ CROSSBAR_HDI uint8_t floatToE2M1Bits(float f) {
   uint32_t a = b & 0x7FFFFFFFu;
   if (a > 0x7F800000u) return 0x7u;
   uint8_t sign = static_cast<uint8_t>((b >> 28) & 0x8u);
-  uint32_t code = a == 0x7F800000u ? 0x7u : fpdetail::roundMagnitude(a, 1, 0);
+  uint32_t code = a == 0x7F800000u ? 0x7u : fpdetail::roundMagnitudeBranchFree(a, 1, 0);
   if (code > 0x7u) code = 0x7u;
   return sign | static_cast<uint8_t>(code);
 }
