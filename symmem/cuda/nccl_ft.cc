@@ -81,7 +81,7 @@ std::shared_ptr<NcclFtComm> NcclFtComm::create(ft::FaultTolerantComm& ft, NcclFt
   const auto& comm = ft.comm();
   if (!comm) throw InvalidUsage(errorContext(-1, "NcclFtComm create") + "the FT communicator is closed");
   self->timeout_ = self->options_.timeout.count() > 0 ? self->options_.timeout : comm->timeout();
-  ncclComm_t c = self->initFromStore(comm, "nccl-ft/init");
+  ncclComm_t c = self->initFromStore(comm, self->key("init"));
   {
     std::lock_guard<std::mutex> lock(self->mu_);
     self->comm_ = c;
@@ -145,6 +145,10 @@ uint64_t NcclFtComm::epoch() const {
 std::string NcclFtComm::lastRebuild() const {
   std::lock_guard<std::mutex> lock(mu_);
   return last_rebuild_;
+}
+
+std::string NcclFtComm::key(const char* what) const {
+  return fmt::format("nccl-ft/{}/{}", options_.name.empty() ? "default" : options_.name, what);
 }
 
 void NcclFtComm::setDevice() const {
@@ -309,7 +313,7 @@ void NcclFtComm::advance(const ft::EpochChange& change) {
     std::string why;
     bool ok = tryShrink(parent, plan.exclude, &fresh, &why);
     // All members take the same path, or the re-created communicator would hang.
-    if (everyoneAgrees(change.comm, "nccl-ft/shrink", ok, &why)) {
+    if (everyoneAgrees(change.comm, key("shrink"), ok, &why)) {
       how = "shrink";
     } else {
       CB_WARN("ft", "epoch {}: NCCL shrink not usable everywhere ({}); re-creating the communicator",
@@ -321,7 +325,7 @@ void NcclFtComm::advance(const ft::EpochChange& change) {
   }
   releaseParent(parent);
   if (!fresh) {
-    fresh = initFromStore(change.comm, "nccl-ft/init");
+    fresh = initFromStore(change.comm, key("init"));
     how = "reinit: " + plan.reason;
   }
   std::lock_guard<std::mutex> lock(mu_);

@@ -99,6 +99,7 @@ class NcclFtComm : public ft::EpochResource, public std::enable_shared_from_this
 
  private:
   NcclFtComm(NcclFtOptions options, NcclFtApi api) : options_(std::move(options)), api_(std::move(api)) {}
+  std::string key(const char* what) const;  // store key of this instance in the epoch
   void setDevice() const;
   ncclConfig_t config() const;
   // Polls the communicator's async state until it leaves ncclInProgress.
