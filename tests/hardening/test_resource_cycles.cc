@@ -96,9 +96,11 @@ constexpr bool kCompareResident = true;
 constexpr bool kCompareResident = true;
 #endif
 
-// Slack over the baseline (see the top of the file).
+// Slack over the baseline (see the top of the file). The sanitizers' allocators map
+// more regions as their quarantine fills (+11 over 150 cycles seen under ASan).
 bool flat(const Usage& base, const Usage& now) {
-  return now.fds <= base.fds + 4 && now.maps <= base.maps + 24 &&
+  const long map_slack = kCompareResident ? 24 : 64;
+  return now.fds <= base.fds + 4 && now.maps <= base.maps + map_slack &&
          (!kCompareResident || now.rss_kib <= base.rss_kib + 6 * 1024);
 }
 
