@@ -155,6 +155,7 @@ void Recorder::configure(Config config) {
   step_start_ns_ = nowNs();
   rss_max_.store(hostRssBytes(), std::memory_order_relaxed);
   device_max_.store(0, std::memory_order_relaxed);
+  extra_dropped_.store(0, std::memory_order_relaxed);
   if (config_.enabled && !config_.dir.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(config_.dir, ec);
@@ -258,9 +259,24 @@ void Recorder::sampleMemory() {
   if (config_.device_memory) atomicMax(device_max_, config_.device_memory());
 }
 
+void Recorder::addFlushHook(const void* owner, std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(hooks_mutex_);
+  flush_hooks_.emplace_back(owner, std::move(hook));
+}
+
+void Recorder::removeFlushHook(const void* owner) {
+  std::lock_guard<std::mutex> lock(hooks_mutex_);
+  std::erase_if(flush_hooks_, [&](const auto& h) { return h.first == owner; });
+}
+
 StepSummary Recorder::step() {
   StepSummary s;
   if (!enabled()) return s;
+  {
+    // Before mutex_: a hook records through recordOp, which may register a ring.
+    std::lock_guard<std::mutex> lock(hooks_mutex_);
+    for (auto& h : flush_hooks_) h.second();
+  }
   sampleMemory();
   int64_t now = nowNs();
   std::lock_guard<std::mutex> lock(mutex_);
@@ -270,6 +286,7 @@ StepSummary Recorder::step() {
     ring->drain(records);
     dropped += ring->dropped.exchange(0, std::memory_order_relaxed);
   }
+  dropped += extra_dropped_.exchange(0, std::memory_order_relaxed);
   s.rank = config_.rank;
   s.world_size = config_.world_size;
   s.step = step_;

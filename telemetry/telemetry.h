@@ -117,7 +117,17 @@ class Recorder {
   // for the current step.
   void noteDeviceMemory(uint64_t bytes);
 
-  // Marks the end of the current step: drains the rings, writes the summary line.
+  // Producers whose records are known only later (the CUDA collectives read their
+  // events once the GPU ran them) register a hook that step() calls first, outside
+  // the recorder's lock, to push what has finished. Keyed by `owner`; removal waits
+  // for a running call of the hook.
+  void addFlushHook(const void* owner, std::function<void()> hook);
+  void removeFlushHook(const void* owner);
+  // Records a producer lost without pushing them (counted in the step's `dropped`).
+  void countDropped(uint64_t n) { extra_dropped_.fetch_add(n, std::memory_order_relaxed); }
+
+  // Marks the end of the current step: runs the flush hooks, drains the rings, writes
+  // the summary line.
   StepSummary step();
   uint64_t currentStep() const { return step_; }
   // Summaries of completed steps kept in memory (the last 1024).
@@ -137,6 +147,9 @@ class Recorder {
   std::atomic<uint64_t> seq_{0};
   std::atomic<uint64_t> rss_max_{0};
   std::atomic<uint64_t> device_max_{0};
+  std::atomic<uint64_t> extra_dropped_{0};
+  std::mutex hooks_mutex_;  // flush hooks; taken before (never inside) mutex_
+  std::vector<std::pair<const void*, std::function<void()>>> flush_hooks_;
   std::atomic<uint64_t> generation_{1};  // bumps on configure(): threads re-register rings
   mutable std::mutex mutex_;             // rings list, file, history: never on the hot path
   std::vector<std::shared_ptr<Ring>> rings_;

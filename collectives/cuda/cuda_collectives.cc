@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "collectives/algorithms.h"
+#include "collectives/cuda/op_timing.h"
 #include "collectives/cuda/reduce_kernels.h"
 #include "collectives/float_types.h"
 #include "collectives/reduce.h"
@@ -38,6 +39,7 @@
 #include "symmem/cuda/device_handle.h"
 #include "symmem/cuda/driver_api.h"
 #include "symmem/cuda/nccl_window.h"
+#include "telemetry/telemetry.h"
 
 namespace crossbar {
 
@@ -105,6 +107,144 @@ ncclDataType_t ncclType(DataType t) {
   throw InvalidArgument(fmt::format("unknown DataType {}", static_cast<int>(t)));
 }
 
+// Telemetry of the operations on the internal stream (op_timing.h). Each recorded
+// operation takes a slot of four pooled events (start, wait begin/end, end; timing
+// events, created once per slot on first use, so never while telemetry is off); the
+// record is pushed once the end event has completed, by whoever calls resolve() next:
+// the next operation, its Work's completion, Recorder::step(). Event times become host
+// times through an anchor event recorded on the idle internal stream together with the
+// host clock (renewed every second when the stream is idle: cudaEventElapsedTime is a
+// float of ms). Its own mutex: Work completion and step() must not wait for Impl::m,
+// which a call holds while it waits on peers on the host.
+class OpTimer {
+ public:
+  static constexpr size_t kSlots = 256;
+  static constexpr int64_t kReanchorNs = 1'000'000'000;
+
+  OpTimer(int device, cudaStream_t stream) : device_(device), stream_(stream), slots_(kSlots) {}
+  ~OpTimer() {
+    for (Slot& s : slots_)
+      for (cudaEvent_t e : s.ev)
+        if (e) cudaEventDestroy(e);
+    if (anchor_) cudaEventDestroy(anchor_);
+  }
+  OpTimer(const OpTimer&) = delete;
+  OpTimer& operator=(const OpTimer&) = delete;
+
+  // Starts timing an operation whose work is enqueued next on the internal stream.
+  // `stream_was_idle`: the internal stream had nothing pending before this call's
+  // first enqueue (so an anchor recorded now runs now). -1: not recorded (counted).
+  int begin(const cudacoll::PendingOp& op, bool stream_was_idle) {
+    std::lock_guard<std::mutex> lk(m_);
+    resolveLocked();
+    const int64_t now = telemetry::nowNs();
+    if (!anchor_ || (stream_was_idle && ring_.size() == 0 && now - anchor_host_ns_ > kReanchorNs)) {
+      // Only with no operation pending: their times are relative to the current anchor.
+      if (!anchor_ && !ok(cudaEventCreateWithFlags(&anchor_, cudaEventDefault))) return dropped();
+      if (!ok(cudaEventRecord(anchor_, stream_))) return dropped();
+      anchor_host_ns_ = telemetry::nowNs();
+    }
+    const int slot = ring_.push(op);
+    if (slot < 0) return dropped();  // kSlots operations still running on the GPU
+    Slot& s = slots_[slot];
+    for (cudaEvent_t& e : s.ev)
+      if (!e && !ok(cudaEventCreateWithFlags(&e, cudaEventDefault))) return cancel(slot);
+    if (!ok(cudaEventRecord(s.ev[kStart], stream_))) return cancel(slot);
+    return slot;
+  }
+  // Around the stream's waits for the peers' signals (the operation's first barrier).
+  void waitBegin(int slot) { record(slot, kWaitBegin); }
+  void waitEnd(int slot) {
+    if (record(slot, kWaitEnd)) {
+      std::lock_guard<std::mutex> lk(m_);
+      ring_.at(slot).has_wait = true;
+    }
+  }
+  // The operation is fully enqueued: its record becomes resolvable.
+  void end(int slot, const cudacoll::PendingOp* final_op = nullptr) {
+    std::lock_guard<std::mutex> lk(m_);
+    if (final_op) {
+      const bool has_wait = ring_.at(slot).has_wait;
+      ring_.at(slot) = *final_op;
+      ring_.at(slot).has_wait = has_wait;
+    }
+    if (!ok(cudaEventRecord(slots_[slot].ev[kEnd], stream_))) {
+      cancel(slot);
+      return;
+    }
+    ring_.close(slot);
+  }
+  // The operation failed while being enqueued (the newest slot).
+  int cancel(int slot) {
+    (void)slot;
+    ring_.cancelNewest();
+    return dropped();
+  }
+  cudacoll::PendingOp pending(int slot) {
+    std::lock_guard<std::mutex> lk(m_);
+    return ring_.at(slot);
+  }
+  // The same, from outside (the call that began it failed afterwards).
+  void abandon(int slot) {
+    std::lock_guard<std::mutex> lk(m_);
+    cancel(slot);
+  }
+
+  // Pushes the records of the finished operations; never blocks on the GPU.
+  void resolve() {
+    std::lock_guard<std::mutex> lk(m_);
+    resolveLocked();
+  }
+
+ private:
+  enum { kStart = 0, kWaitBegin = 1, kWaitEnd = 2, kEnd = 3 };
+  struct Slot {
+    cudaEvent_t ev[4] = {};
+  };
+
+  bool record(int slot, int which) { return ok(cudaEventRecord(slots_[slot].ev[which], stream_)); }
+  int dropped() {
+    telemetry::Recorder::instance().countDropped(1);
+    return -1;
+  }
+  // Telemetry never fails an operation: a failing event call (a broken context, which
+  // the operation itself reports) only loses the record.
+  static bool ok(cudaError_t e) { return e == cudaSuccess; }
+
+  void resolveLocked() {
+    if (ring_.size() == 0) return;
+    DeviceGuard guard(device_);
+    ring_.resolve(
+        [&](int slot, cudacoll::OpTimes* t) {
+          const Slot& s = slots_[slot];
+          const cudaError_t q = cudaEventQuery(s.ev[kEnd]);
+          if (q == cudaErrorNotReady) return cudacoll::Probe::kPending;
+          float a2s = 0, s2e = 0, w = 0;
+          if (q != cudaSuccess || cudaEventElapsedTime(&a2s, anchor_, s.ev[kStart]) != cudaSuccess ||
+              cudaEventElapsedTime(&s2e, s.ev[kStart], s.ev[kEnd]) != cudaSuccess)
+            return cudacoll::Probe::kFailed;
+          if (ring_.at(slot).has_wait &&
+              cudaEventElapsedTime(&w, s.ev[kWaitBegin], s.ev[kWaitEnd]) != cudaSuccess)
+            w = 0;
+          *t = cudacoll::eventTimesToHost(anchor_host_ns_, a2s, s2e, w, ring_.at(slot).enqueue_ns);
+          return cudacoll::Probe::kDone;
+        },
+        [&](const cudacoll::PendingOp& op, const cudacoll::OpTimes& t) {
+          // The peer that arrived last is not known on the GPU path (-1).
+          telemetry::Recorder::instance().recordOp(op.name, op.bytes, op.algo, op.op_seq, op.enqueue_ns,
+                                                   t.start_ns, t.end_ns, t.wait_ns, -1);
+        });
+  }
+
+  std::mutex m_;
+  const int device_;
+  const cudaStream_t stream_;
+  std::vector<Slot> slots_;
+  cudacoll::PendingOpRing ring_{kSlots};
+  cudaEvent_t anchor_ = nullptr;
+  int64_t anchor_host_ns_ = 0;
+};
+
 // The work of one call (or group): an event recorded on the internal stream after it.
 class CudaWork final : public Work {
  public:
@@ -126,18 +266,35 @@ class CudaWork final : public Work {
     nccl_ = std::move(n);
   }
   void setDescription(std::string d) { desc_ = std::move(d); }
+  // Telemetry: resolve the pending records when this work completes.
+  void setTimer(std::weak_ptr<OpTimer> t) {
+    std::lock_guard<std::mutex> lk(m_);
+    timer_ = std::move(t);
+  }
 
   bool test() override {
-    std::lock_guard<std::mutex> lk(m_);
-    return pollLocked();
+    std::weak_ptr<OpTimer> timer;
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      if (!pollLocked()) return false;
+      timer.swap(timer_);  // once
+    }
+    if (auto t = timer.lock()) t->resolve();
+    return true;
   }
 
   void wait(Deadline deadline) override {
     auto sleep = std::chrono::microseconds(0);
     for (int polls = 0;; ++polls) {
       {
-        std::lock_guard<std::mutex> lk(m_);
-        if (pollLocked()) return;
+        std::unique_lock<std::mutex> lk(m_);
+        if (pollLocked()) {
+          std::weak_ptr<OpTimer> timer;
+          timer.swap(timer_);
+          lk.unlock();
+          if (auto t = timer.lock()) t->resolve();
+          return;
+        }
       }
       if (deadline.expired()) {
         auto e = std::make_exception_ptr(Timeout(fmt::format(
@@ -185,6 +342,7 @@ class CudaWork final : public Work {
   int rank_, device_;
   std::shared_ptr<cuda::NcclCommHolder> nccl_;
   cudaEvent_t event_ = nullptr;
+  std::weak_ptr<OpTimer> timer_;
   bool done_ = false;
   std::exception_ptr err_;
 };
@@ -230,6 +388,13 @@ struct CudaCollectives::Impl {
   bool group_nccl_open = false;
   std::vector<std::string> group_ops;
   std::vector<cudaStream_t> group_streams;  // callers' streams, joined at groupEnd()
+  // Telemetry (created on the first operation issued with telemetry on).
+  std::shared_ptr<OpTimer> timer;
+  int tel_slot = -1;        // the group's slot while a group is open
+  int tel_wait_slot = -1;   // the slot whose wait the next barrier() times
+  size_t group_timed_ops = 0;
+  bool group_wait_timed = false;  // the group's first barrier has been timed
+  uint64_t group_bytes = 0;
 
   int rank() const { return comm->rank(); }
   int size() const { return comm->size(); }
@@ -326,6 +491,10 @@ CudaCollectives::~CudaCollectives() {
               x.ctx("~CudaCollectives"));
     cudaGetLastError();
   }
+  if (x.timer) {
+    telemetry::Recorder::instance().removeFlushHook(&x);
+    x.timer->resolve();  // the stream is drained: every pending record is final
+  }
   x.windows.clear();
   if (x.nccl_scratch) cudaFree(x.nccl_scratch);
   if (x.stage && !x.stage->freed()) {
@@ -392,8 +561,13 @@ void CudaCollectives::Impl::ensureStage(size_t bytes, Deadline deadline) {
 void CudaCollectives::Impl::barrier() {
   for (int p = 0; p < size(); ++p)
     if (p != rank()) cuda::streamPutSignal(*stage, p, kBarrierChannel, stream);
+  // Telemetry: the first barrier of an operation is where the stream waits for the
+  // peers to arrive; events around its waits give the wait time (not who came last).
+  const int timed = std::exchange(tel_wait_slot, -1);
+  if (timed >= 0) timer->waitBegin(timed);
   for (int p = 0; p < size(); ++p)
     if (p != rank()) cuda::streamWaitSignal(*stage, p, kBarrierChannel, stream);
+  if (timed >= 0) timer->waitEnd(timed);
 }
 
 symm::SymmetricBuffer* CudaCollectives::Impl::findUserBuffer(const void* ptr, size_t bytes, size_t* offset) {
@@ -849,6 +1023,8 @@ void CudaCollectives::Impl::execute(const CollArgs& a, const Algorithm& algo, co
 }
 
 WorkPtr CudaCollectives::Impl::run(CollArgs a, cudaStream_t user, const CollOptions& o) {
+  const bool timed = telemetry::Recorder::instance().enabled();
+  const int64_t issued_ns = timed ? telemetry::nowNs() : 0;
   std::lock_guard<std::mutex> lk(m);
   const char* name = collTypeName(a.coll);
   validateCollArgs(a, *comm);
@@ -892,15 +1068,55 @@ WorkPtr CudaCollectives::Impl::run(CollArgs a, cudaStream_t user, const CollOpti
     } else {
       w = std::make_shared<CudaWork>(desc, rank(), device, nullptr);
     }
+    const bool was_idle = timed && cudaStreamQuery(stream) == cudaSuccess;
     cuda::checkCuda(cudaEventRecord(join, user),
                     fmt::format("{}: cudaEventRecord on the caller's stream", desc), device,
                     "the stream must belong to this CudaCollectives' device");
     cuda::checkCuda(cudaStreamWaitEvent(stream, join, 0), "cudaStreamWaitEvent", device);
     const bool empty = a.coll != CollType::kBarrier && a.coll != CollType::kAlltoallv &&
                        a.coll != CollType::kSend && a.coll != CollType::kRecv && a.count == 0;
-    if (!empty) execute(a, *algo, desc);
+    // Telemetry: one record per call (a group: one for the group, started at its first
+    // call), timed on the stream from after the caller's prior work to the op's end.
+    int slot = -1;
+    if (timed) {
+      if (!timer) {
+        timer = std::make_shared<OpTimer>(device, stream);
+        telemetry::Recorder::instance().addFlushHook(this, [t = std::weak_ptr<OpTimer>(timer)] {
+          if (auto p = t.lock()) p->resolve();
+        });
+      }
+      if (group_depth == 0 || group_timed_ops == 0) {
+        cudacoll::PendingOp op;
+        op.setNames(name, algo->name);
+        op.bytes = a.selectionBytes(size());
+        const bool p2p = a.coll == CollType::kSend || a.coll == CollType::kRecv;
+        op.op_seq = p2p ? -1 : static_cast<int64_t>(my_seq);  // as the host collectives
+        op.enqueue_ns = issued_ns;
+        slot = timer->begin(op, was_idle);
+        if (group_depth > 0) tel_slot = slot;
+      }
+      if (group_depth > 0) {
+        slot = tel_slot;
+        group_timed_ops++;
+        group_bytes += a.selectionBytes(size());
+      }
+      // A group's wait is its first barrier's (later calls' barriers would re-record it).
+      if (group_depth == 0 || !group_wait_timed) tel_wait_slot = slot;
+    }
+    try {
+      if (!empty) execute(a, *algo, desc);
+    } catch (...) {
+      tel_wait_slot = -1;
+      if (slot >= 0) timer->abandon(slot);
+      tel_slot = -1;
+      throw;
+    }
+    if (group_depth > 0 && slot >= 0 && tel_wait_slot < 0) group_wait_timed = true;  // barrier() took it
+    tel_wait_slot = -1;
     if (is_nccl) w->setNccl(nccl);
     if (group_depth > 0) return w;
+    if (slot >= 0) timer->end(slot);
+    if (timer) w->setTimer(timer);
     w->arm(stream);
     cuda::checkCuda(cudaStreamWaitEvent(user, w->event(), 0), "cudaStreamWaitEvent on the caller's stream",
                     device);
@@ -1019,6 +1235,10 @@ void CudaCollectives::groupStart() {
     x.group_ops.clear();
     x.group_streams.clear();
     x.group_nccl_open = false;
+    x.tel_slot = -1;
+    x.group_timed_ops = 0;
+    x.group_bytes = 0;
+    x.group_wait_timed = false;
   }
 }
 
@@ -1036,6 +1256,18 @@ WorkPtr CudaCollectives::groupEnd() {
   w->setDescription(desc);
   if (x.group_nccl_open) x.nccl->check(ncclGroupEnd(), desc + ": ncclGroupEnd");
   x.group_nccl_open = false;
+  if (x.tel_slot >= 0) {
+    // One record for the group; a group of one call keeps that call's name and algorithm.
+    cudacoll::PendingOp op = x.timer->pending(x.tel_slot);
+    if (x.group_timed_ops > 1) {
+      op.setNames("group", "group");
+      op.op_seq = -1;
+      op.bytes = x.group_bytes;
+    }
+    x.timer->end(x.tel_slot, &op);
+    x.tel_slot = -1;
+  }
+  if (x.timer) w->setTimer(x.timer);
   // The callers' streams joined the internal stream at each call; they wait for the
   // group's end here.
   w->arm(x.stream);

@@ -1,7 +1,7 @@
 // CPU tests of the CUDA collectives path (no GPU needed): the cuda rows of the
 // selection table and their fallbacks, CROSSBAR_ALGO with CUDA names, the table
-// printout, and clean failures of device-memory calls where CUDA cannot run (no
-// driver, or a build without CUDA). Ranks are forked processes, so the gtest
+// printout, clean failures of device-memory calls where CUDA cannot run (no
+// driver, or a build without CUDA), and the telemetry's pending-event ring. Ranks are forked processes, so the gtest
 // process never initializes CUDA.
 #include <gtest/gtest.h>
 
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "collectives/collectives.h"
+#include "collectives/cuda/op_timing.h"
 #include "collectives/cuda/route.h"
 #include "collectives/selection.h"
 #include "comm/errors.h"
@@ -184,6 +185,96 @@ TEST(CudaFrontEnd, ValidateCollArgs) {
     p.op = ReduceOp::kPreMulSum;
     EXPECT_THROW(validateCollArgs(p, *comm), InvalidArgument);
   });
+}
+
+// ---- telemetry: pending-event ring and event-time conversion (op_timing.h) ----------------
+
+cudacoll::PendingOp pendingOp(int64_t seq) {
+  cudacoll::PendingOp op;
+  op.setNames("allreduce", "oneshot");
+  op.op_seq = seq;
+  op.bytes = 1000 + static_cast<uint64_t>(seq);
+  op.enqueue_ns = 100 * seq;
+  return op;
+}
+
+TEST(CudaOpTiming, RingResolvesFinishedOpsInOrderWithoutBlocking) {
+  cudacoll::PendingOpRing ring(4);
+  std::vector<cudacoll::Probe> state(4, cudacoll::Probe::kPending);  // per slot, the fake "event"
+  std::vector<int64_t> emitted;
+  int probes = 0;
+  auto probe = [&](int slot, cudacoll::OpTimes* t) {
+    probes++;
+    t->start_ns = slot * 10;
+    t->end_ns = slot * 10 + 5;
+    return state[static_cast<size_t>(slot)];
+  };
+  auto emit = [&](const cudacoll::PendingOp& op, const cudacoll::OpTimes& t) {
+    EXPECT_EQ(op.bytes, 1000 + static_cast<uint64_t>(op.op_seq));
+    EXPECT_EQ(t.end_ns - t.start_ns, 5);
+    emitted.push_back(op.op_seq);
+  };
+  int s0 = ring.push(pendingOp(0)), s1 = ring.push(pendingOp(1)), s2 = ring.push(pendingOp(2));
+  ASSERT_GE(s0, 0);
+  ASSERT_GE(s1, 0);
+  ASSERT_GE(s2, 0);
+  EXPECT_NE(s0, s1);
+  // Not closed (end event not recorded yet): never probed, even if "done".
+  state[s0] = cudacoll::Probe::kDone;
+  EXPECT_EQ(ring.resolve(probe, emit), 0u);
+  EXPECT_EQ(probes, 0);
+  ring.close(s0);
+  ring.close(s1);
+  ring.close(s2);
+  // s1 still running: s2 (done) waits behind it; the stream finishes in order.
+  state[s2] = cudacoll::Probe::kDone;
+  EXPECT_EQ(ring.resolve(probe, emit), 1u);
+  EXPECT_EQ(emitted, (std::vector<int64_t>{0}));
+  EXPECT_EQ(ring.size(), 2u);
+  state[s1] = cudacoll::Probe::kFailed;  // a failed read loses only that record
+  EXPECT_EQ(ring.resolve(probe, emit), 1u);
+  EXPECT_EQ(emitted, (std::vector<int64_t>{0, 2}));
+  EXPECT_EQ(ring.size(), 0u);
+}
+
+TEST(CudaOpTiming, RingFullDropsAndReusesSlots) {
+  cudacoll::PendingOpRing ring(2);
+  std::vector<int> slots;
+  for (int i = 0; i < 2; ++i) slots.push_back(ring.push(pendingOp(i)));
+  EXPECT_EQ(ring.push(pendingOp(2)), -1);  // every slot pending: the caller counts a drop
+  for (int s : slots) ring.close(s);
+  std::vector<int64_t> emitted;
+  auto done = [](int, cudacoll::OpTimes*) { return cudacoll::Probe::kDone; };
+  auto emit = [&](const cudacoll::PendingOp& op, const cudacoll::OpTimes&) { emitted.push_back(op.op_seq); };
+  EXPECT_EQ(ring.resolve(done, emit), 2u);
+  // Slots (and the caller's events in them) are reused, oldest first.
+  const int again = ring.push(pendingOp(3));
+  EXPECT_EQ(again, slots[0]);
+  // A failed enqueue forgets its slot: nothing is emitted for it.
+  ring.cancelNewest();
+  EXPECT_EQ(ring.size(), 0u);
+  const int next = ring.push(pendingOp(4));
+  ring.close(next);
+  EXPECT_EQ(ring.resolve(done, emit), 1u);
+  EXPECT_EQ(emitted, (std::vector<int64_t>{0, 1, 4}));
+}
+
+TEST(CudaOpTiming, EventTimesToHostClock) {
+  // Anchor at host 1'000'000 ns; start 2.5 ms later, 0.75 ms long, 0.25 ms waiting.
+  cudacoll::OpTimes t = cudacoll::eventTimesToHost(1'000'000, 2.5f, 0.75f, 0.25f, 900'000);
+  EXPECT_NEAR(t.start_ns, 3'500'000, 1000);
+  EXPECT_NEAR(t.end_ns - t.start_ns, 750'000, 1000);
+  EXPECT_NEAR(t.wait_ns, 250'000, 1000);
+  // The anchor's host time is a little late: a start before the enqueue is clamped to it.
+  t = cudacoll::eventTimesToHost(1'000'000, 0.001f, 0.5f, 0.0f, 1'200'000);
+  EXPECT_EQ(t.start_ns, 1'200'000);
+  EXPECT_NEAR(t.end_ns, 1'700'000, 1000);
+  // A wait can not exceed the operation; negative event differences become 0.
+  t = cudacoll::eventTimesToHost(0, 1.0f, 0.1f, 0.5f, 0);
+  EXPECT_EQ(t.wait_ns, t.end_ns - t.start_ns);
+  t = cudacoll::eventTimesToHost(0, 1.0f, -0.1f, -1.0f, 0);
+  EXPECT_EQ(t.end_ns, t.start_ns);
+  EXPECT_EQ(t.wait_ns, 0);
 }
 
 }  // namespace
