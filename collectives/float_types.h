@@ -60,20 +60,16 @@ CROSSBAR_HDI uint32_t roundMagnitude(uint32_t absBits, int m, int emin) {
 
 // binary32 bits of the finite magnitude code `mag` of a format with m mantissa bits and
 // the given exponent bias (all our formats' values are binary32 normals or zero).
+// Branch-free (fp4 payloads are half subnormals): a subnormal is mant * 2^(1 - bias - m),
+// an exact product of binary32 normals (no rounding, no FTZ/DAZ effect), so it equals the
+// normalized bit pattern the oracle builds with a loop.
 CROSSBAR_HDI uint32_t decodeMagnitude(uint32_t mag, int m, int bias) {
   uint32_t exp = mag >> m;
   uint32_t mant = mag & ((1u << m) - 1u);
-  if (exp == 0) {
-    if (mant == 0) return 0;
-    int e = 1 - bias;  // subnormal: mant * 2^(1 - bias - m); normalize
-    while (!(mant & (1u << m))) {
-      mant <<= 1;
-      --e;
-    }
-    mant &= (1u << m) - 1u;
-    return (static_cast<uint32_t>(e + 127) << 23) | (mant << (23 - m));
-  }
-  return (static_cast<uint32_t>(static_cast<int>(exp) - bias + 127) << 23) | (mant << (23 - m));
+  uint32_t normal = (static_cast<uint32_t>(static_cast<int>(exp) - bias + 127) << 23) | (mant << (23 - m));
+  float quantum = bitsFloat(static_cast<uint32_t>(127 + 1 - bias - m) << 23);
+  uint32_t subnormal = floatBits(static_cast<float>(mant) * quantum);
+  return exp == 0 ? subnormal : normal;
 }
 
 }  // namespace fpdetail
