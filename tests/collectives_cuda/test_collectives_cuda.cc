@@ -15,6 +15,7 @@
 #include "collectives/selection.h"
 #include "comm/errors.h"
 #include "harness/multiprocess.h"
+#include "telemetry/telemetry.h"
 
 #if defined(CROSSBAR_HAVE_CUDA_COLLECTIVES)
 #include "collectives/cuda/cuda_collectives.h"
@@ -275,6 +276,36 @@ TEST(CudaOpTiming, EventTimesToHostClock) {
   t = cudacoll::eventTimesToHost(0, 1.0f, -0.1f, -1.0f, 0);
   EXPECT_EQ(t.end_ns, t.start_ns);
   EXPECT_EQ(t.wait_ns, 0);
+}
+
+// What the CUDA collectives rely on in the recorder: step() runs the flush hooks first
+// (records they push land in that step), counts the drops they report, and a removed
+// hook is not called again.
+TEST(CudaOpTiming, RecorderFlushHooksFeedTheStep) {
+  auto& rec = telemetry::Recorder::instance();
+  telemetry::Config c;
+  c.enabled = true;
+  rec.configure(c);
+  int calls = 0;
+  int owner = 0;
+  rec.addFlushHook(&owner, [&] {
+    calls++;
+    rec.recordOp("allreduce", 64, "oneshot", 7, 10, 20, 30, 5, -1);
+    rec.countDropped(2);
+  });
+  telemetry::StepSummary s = rec.step();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(s.ops, 1u);
+  EXPECT_EQ(s.dropped, 2u);
+  EXPECT_EQ(s.comm_ns, 10);
+  ASSERT_EQ(rec.lastStepRecords().size(), 1u);
+  EXPECT_EQ(rec.lastStepRecords()[0].op_seq, 7);
+  rec.removeFlushHook(&owner);
+  s = rec.step();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(s.ops, 0u);
+  EXPECT_EQ(s.dropped, 0u);
+  rec.configure(telemetry::Config{});
 }
 
 }  // namespace
