@@ -30,7 +30,7 @@ namespace fpdetail {
 CROSSBAR_HDI uint32_t roundMagnitudeBranchFree(uint32_t absBits, int m, int emin) {
   uint32_t e = absBits >> 23;
   uint32_t sig = (absBits & 0x7FFFFFu) | (e != 0 ? 0x800000u : 0u);  // implicit bit
-  int exp = (e != 0 ? static_cast<int>(e) : 1) - 127;  // |x| = sig * 2^(exp - 23)
+  int exp = (e != 0 ? static_cast<int>(e) : 1) - 127;                // |x| = sig * 2^(exp - 23)
   // The target's quantum at this magnitude is 2^(max(exp, emin) - m); below emin the
   // target is subnormal and the quantum stops shrinking.
   int qexp = exp > emin ? exp : emin;

@@ -82,8 +82,9 @@ void benchType(const char* tname, size_t hidden, size_t rows, int reps) {
       rd = std::min(rd, bestNsPerElement(refDecode, n, reps));
       nd2 = std::min(nd2, bestNsPerElement(newDecode, n, reps));
     }
-    std::printf("%-5s %-13s encode ref %6.2f new %6.2f ns/elem (x%.1f)   decode ref %6.2f new %6.2f (x%.1f)\n",
-                tname, payloadCodecName(c), re, ne, re / ne, rd, nd2, rd / nd2);
+    std::printf(
+        "%-5s %-13s encode ref %6.2f new %6.2f ns/elem (x%.1f)   decode ref %6.2f new %6.2f (x%.1f)\n", tname,
+        payloadCodecName(c), re, ne, re / ne, rd, nd2, rd / nd2);
   }
 }
 

@@ -14,15 +14,15 @@
 namespace crossbar::quant_ref {
 
 using crossbar::BFloat16;
-using crossbar::Saturate;
-using crossbar::ScaleRounding;
-using crossbar::kE4M3Max;
 using crossbar::kE2M1Max;
+using crossbar::kE4M3Max;
 using crossbar::kE4M3MaxExponent;
 using crossbar::kFloatMinNormal;
 using crossbar::kFp8BlockSize;
 using crossbar::kMxBlockSize;
 using crossbar::kNvfp4BlockSize;
+using crossbar::Saturate;
+using crossbar::ScaleRounding;
 
 // Own statistics type, so argument-dependent lookup never picks crossbar:: functions.
 struct BlockAmax {
@@ -189,7 +189,7 @@ inline float e8m0BitsToFloat(uint8_t v) {
 // Power-of-two scale for the magnitude of f. Values below 2^-127 (and zero) clamp to the
 // smallest code; NaN gives NaN; values past 2^127 give NaN, or 2^127 when saturating.
 inline uint8_t floatToE8M0Bits(float f, ScaleRounding r = ScaleRounding::kDown,
-                                     Saturate sat = Saturate::kNo) {
+                               Saturate sat = Saturate::kNo) {
   uint32_t a = floatBits(f) & 0x7FFFFFFFu;
   if (a > 0x7F800000u) return 0xFFu;
   uint32_t code;
@@ -203,10 +203,13 @@ inline uint8_t floatToE8M0Bits(float f, ScaleRounding r = ScaleRounding::kDown,
   return static_cast<uint8_t>(code);
 }
 
-
 // Element access through the reference conversions.
-inline float toFloat(float v) { return v; }
-inline float toFloat(BFloat16 v) { return quant_ref::bfloat16BitsToFloat(v.bits); }
+inline float toFloat(float v) {
+  return v;
+}
+inline float toFloat(BFloat16 v) {
+  return quant_ref::bfloat16BitsToFloat(v.bits);
+}
 template <class T>
 inline T fromFloat(float f) {
   if constexpr (std::is_same_v<T, float>) {
@@ -355,8 +358,7 @@ inline uint8_t nvfp4Quantize(const T* x, int count, float globalScale, uint8_t* 
 }
 
 template <class T>
-inline void nvfp4Dequantize(const uint8_t* packed, int count, uint8_t blockScale, float globalScale,
-                                  T* out) {
+inline void nvfp4Dequantize(const uint8_t* packed, int count, uint8_t blockScale, float globalScale, T* out) {
   float d = quant_ref::nvfp4Divisor(blockScale, globalScale);
   for (int i = 0; i < count; ++i) {
     uint8_t code = (i & 1) ? (packed[i / 2] >> 4) : (packed[i / 2] & 0xFu);
@@ -372,13 +374,15 @@ inline int blockCount(size_t hidden, size_t start, int block) {
 template <class T>
 inline void quantizeRowFp8Block(const T* x, size_t hidden, uint8_t* payload, float* scales) {
   for (size_t b = 0, i = 0; i < hidden; ++b, i += kFp8BlockSize)
-    scales[b] = quant_ref::fp8BlockQuantize(x + i, quant_ref::blockCount(hidden, i, kFp8BlockSize), payload + i);
+    scales[b] =
+        quant_ref::fp8BlockQuantize(x + i, quant_ref::blockCount(hidden, i, kFp8BlockSize), payload + i);
 }
 
 template <class T>
 inline void dequantizeRowFp8Block(const uint8_t* payload, const float* scales, size_t hidden, T* out) {
   for (size_t b = 0, i = 0; i < hidden; ++b, i += kFp8BlockSize)
-    quant_ref::fp8BlockDequantize(payload + i, quant_ref::blockCount(hidden, i, kFp8BlockSize), scales[b], out + i);
+    quant_ref::fp8BlockDequantize(payload + i, quant_ref::blockCount(hidden, i, kFp8BlockSize), scales[b],
+                                  out + i);
 }
 
 template <class T>
@@ -390,21 +394,24 @@ inline void quantizeRowMxfp8(const T* x, size_t hidden, uint8_t* payload, uint8_
 template <class T>
 inline void dequantizeRowMxfp8(const uint8_t* payload, const uint8_t* scales, size_t hidden, T* out) {
   for (size_t b = 0, i = 0; i < hidden; ++b, i += kMxBlockSize)
-    quant_ref::mxfp8Dequantize(payload + i, quant_ref::blockCount(hidden, i, kMxBlockSize), scales[b], out + i);
+    quant_ref::mxfp8Dequantize(payload + i, quant_ref::blockCount(hidden, i, kMxBlockSize), scales[b],
+                               out + i);
 }
 
 template <class T>
 inline void quantizeRowNvfp4(const T* x, size_t hidden, float globalScale, uint8_t* payload,
-                                   uint8_t* scales) {
+                             uint8_t* scales) {
   for (size_t b = 0, i = 0; i < hidden; ++b, i += kNvfp4BlockSize)
-    scales[b] = quant_ref::nvfp4Quantize(x + i, quant_ref::blockCount(hidden, i, kNvfp4BlockSize), globalScale, payload + i / 2);
+    scales[b] = quant_ref::nvfp4Quantize(x + i, quant_ref::blockCount(hidden, i, kNvfp4BlockSize),
+                                         globalScale, payload + i / 2);
 }
 
 template <class T>
 inline void dequantizeRowNvfp4(const uint8_t* payload, const uint8_t* scales, float globalScale,
-                                     size_t hidden, T* out) {
+                               size_t hidden, T* out) {
   for (size_t b = 0, i = 0; i < hidden; ++b, i += kNvfp4BlockSize)
-    quant_ref::nvfp4Dequantize(payload + i / 2, quant_ref::blockCount(hidden, i, kNvfp4BlockSize), scales[b], globalScale, out + i);
+    quant_ref::nvfp4Dequantize(payload + i / 2, quant_ref::blockCount(hidden, i, kNvfp4BlockSize), scales[b],
+                               globalScale, out + i);
 }
 
 }  // namespace crossbar::quant_ref

@@ -50,9 +50,7 @@ TEST(QuantExact, EncodersOnRandomBinary32) {
 // overflow handling, unchanged and covered above. About a minute of CPU; run by hand:
 // test_quant_exact --gtest_also_run_disabled_tests --gtest_filter='*EveryBinary32*'
 TEST(QuantExact, DISABLED_RoundingOnEveryBinary32Magnitude) {
-  const struct {
-    int m, emin;
-  } formats[] = {{3, -6}, {2, -14}, {10, -14}, {1, 0}};
+  const struct { int m, emin; } formats[] = {{3, -6}, {2, -14}, {10, -14}, {1, 0}};
   for (auto f : formats) {
     uint64_t mismatches = 0;
     for (uint32_t a = 0; a < 0x7F800000u; ++a) {
@@ -81,8 +79,8 @@ TEST(QuantExact, DecodersOnEveryCode) {
     expectSameFloatBits(e8m0BitsToFloat(v), ref::e8m0BitsToFloat(v), "e8m0", c);
   }
   for (uint32_t c = 0; c < 0x10u; ++c)
-    expectSameFloatBits(e2m1BitsToFloat(static_cast<uint8_t>(c)), ref::e2m1BitsToFloat(static_cast<uint8_t>(c)),
-                        "e2m1", c);
+    expectSameFloatBits(e2m1BitsToFloat(static_cast<uint8_t>(c)),
+                        ref::e2m1BitsToFloat(static_cast<uint8_t>(c)), "e2m1", c);
 }
 
 // Values that stress the block codecs: normals of many magnitudes, binary32 subnormals,
