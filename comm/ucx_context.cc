@@ -422,6 +422,9 @@ bool UcxContext::arm() {
 
 void UcxContext::closeEndpoint(Slot& slot, bool force) {
   if (!slot.ep) return;
+  // UCX: an rkey must go before the endpoint it was unpacked on (see unpackRkey).
+  for (ucp_rkey_h rkey : slot.rkeys) ucp_rkey_destroy(rkey);
+  slot.rkeys.clear();
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
@@ -433,6 +436,34 @@ void UcxContext::closeEndpoint(Slot& slot, bool force) {
   } else if (UCS_PTR_STATUS(req) != UCS_OK) {
     CB_TRACE("ucx", "closing endpoint to {}: {}", describePeer(slot.rank), statusText(UCS_PTR_STATUS(req)));
   }
+}
+
+ucp_rkey_h UcxContext::unpackRkey(int peer, const void* packed, const std::string& op) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  ucp_ep_h endpoint = ep(peer);
+  if (!endpoint || slots_[peer].status != UCS_OK)
+    throw PeerFailure(fmt::format("{}no usable UCX endpoint to {} ({})", errorContext(rank_, op), describePeer(peer),
+                                  slots_[peer].status != UCS_OK ? statusText(slots_[peer].status)
+                                                                : "it was closed"),
+                      {peer});
+  ucp_rkey_h rkey = nullptr;
+  ucs_status_t st = ucp_ep_rkey_unpack(endpoint, packed, &rkey);
+  if (st != UCS_OK)
+    throw UcxError(fmt::format("{}ucp_ep_rkey_unpack for {}: {}", errorContext(rank_, op), describePeer(peer),
+                               statusText(st)),
+                   {peer});
+  slots_[peer].rkeys.push_back(rkey);
+  return rkey;
+}
+
+void UcxContext::destroyRkey(int peer, ucp_rkey_h rkey) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (peer < 0 || peer >= size_ || !rkey) return;
+  auto& held = slots_[peer].rkeys;
+  auto it = std::find(held.begin(), held.end(), rkey);
+  if (it == held.end()) return;  // its endpoint was closed, which destroyed it
+  held.erase(it);
+  ucp_rkey_destroy(rkey);
 }
 
 void UcxContext::forceCloseAll() {

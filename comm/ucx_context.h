@@ -95,6 +95,17 @@ class UcxContext {
   bool arm();
   int efd() const { return efd_; }
 
+  // Remote keys for RMA on `peer`'s endpoint. UCX requires an rkey to be destroyed
+  // before the endpoint it was unpacked on, and an endpoint is closed (and freed) by
+  // whichever thread progresses when its peer fails or the context aborts. So the
+  // context owns the rkeys: closing an endpoint destroys those still held first.
+  // Callers (symmem) hold mutex() and check ep(peer) != nullptr before every use of
+  // the endpoint or its rkeys; never keep a ucp_ep_h across an unlock.
+  // unpackRkey throws PeerFailure if the endpoint is gone, UcxError if UCX refuses.
+  ucp_rkey_h unpackRkey(int peer, const void* packed, const std::string& op);
+  // Destroys `rkey` unless closing the endpoint already did.
+  void destroyRkey(int peer, ucp_rkey_h rkey);
+
   // Force-closes every endpoint (purging their outstanding operations, which
   // complete with an error). For abort: the context no longer talks to anyone.
   void forceCloseAll();
@@ -108,6 +119,7 @@ class UcxContext {
     ucp_ep_h ep = nullptr;
     ucs_status_t status = UCS_OK;
     bool closed = false;
+    std::vector<ucp_rkey_h> rkeys;  // unpacked on ep; destroyed before it closes
   };
   static void onEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   void connect(const TransportSetup& setup, const std::string& prefix);

@@ -127,17 +127,17 @@ void waitUcx(ucx::UcxContext& ctx, void* request, Deadline deadline, const std::
 namespace detail {
 
 // What a buffer knows about a peer's segment on another node.
+// The endpoint is never cached: the context closes (and UCX frees) it, with the rkey
+// unpacked on it, from whichever thread progresses when the peer fails or the
+// communicator aborts; see liveEndpoint().
 struct RemoteRegion {
   uint64_t base = 0;
   uint64_t bytes = 0;
-  ucp_rkey_h rkey = nullptr;
-  ucp_ep_h ep = nullptr;
+  ucp_rkey_h rkey = nullptr;  // owned by ctx (UcxContext::unpackRkey)
+  int ep_rank = -1;           // the peer's rank in ctx
   std::shared_ptr<ucx::UcxContext> ctx;
   ~RemoteRegion() {
-    if (rkey) {
-      std::lock_guard<std::recursive_mutex> lock(ctx->mutex());
-      ucp_rkey_destroy(rkey);
-    }
+    if (rkey) ctx->destroyRkey(ep_rank, rkey);
   }
 };
 
@@ -173,12 +173,69 @@ struct HeapImpl {
   }
 
   std::shared_ptr<SymmetricBuffer> allocate(std::shared_ptr<HeapImpl> self, size_t bytes);
+
+  // Throws if the communicator was aborted (revoked): the abort's own error type and
+  // peers, prefixed with this operation and `waiting` (what it was waiting for).
+  void throwIfAborted(std::string_view op, std::string_view waiting) const {
+    auto c = context.lock();
+    if (!c || !c->aborted()) return;
+    std::string reason = c->abortReason();
+    std::vector<int> peers;
+    ErrorCode code = ErrorCode::kAborted;
+    if (auto e = c->abortError()) {
+      try {
+        std::rethrow_exception(e);
+      } catch (const Error& err) {
+        reason = err.what();
+        peers = err.peers();
+        code = err.code();
+      } catch (const std::exception& err) {
+        reason = err.what();
+      }
+    }
+    std::string message = ctx(op) + fmt::format("the communicator was aborted while this rank waited for {}: {}",
+                                                waiting, reason);
+    if (code == ErrorCode::kPeerFailure) throw PeerFailure(message, std::move(peers));
+    if (code == ErrorCode::kTimeout) throw Timeout(message, std::move(peers));
+    throw Aborted(message, std::move(peers));
+  }
+
+  // Runs a blocking rendezvous step in slices of at most kSleepSlice, so an abort or
+  // revoke of the communicator (a peer died before it got here) ends the wait within
+  // a slice instead of at `deadline`. The step must be safe to repeat after its own
+  // Timeout: accept, connect, a whole-message send/recv (SOCK_SEQPACKET), a store get.
+  template <class Step>
+  auto abortable(Deadline deadline, std::string_view op, std::string_view waiting, Step&& step) const {
+    while (true) {
+      throwIfAborted(op, waiting);
+      try {
+        return step(deadline.min(Deadline::after(kSleepSlice)));
+      } catch (const Timeout&) {
+        if (deadline.expired()) throw;
+      }
+    }
+  }
 };
 
 }  // namespace detail
 
 using detail::HeapImpl;
 using detail::RemoteRegion;
+
+namespace {
+// The endpoint to `peer` (with r.rkey still valid); call with r.ctx->mutex() held and
+// use the result only under it. Throws once the endpoint was closed.
+ucp_ep_h liveEndpoint(const RemoteRegion& r, const HeapImpl& heap, int peer, std::string_view op) {
+  if (ucp_ep_h ep = r.ctx->ep(r.ep_rank)) return ep;
+  heap.throwIfAborted(op, fmt::format("UCX access to {}", heap.peerText(peer)));
+  const ucs_status_t st = r.ctx->peerStatus(r.ep_rank);
+  throw PeerFailure(heap.ctx(op) + fmt::format("the UCX endpoint to {} is closed ({}); the peer probably died "
+                                               "or its host became unreachable",
+                                               heap.peerText(peer),
+                                               st != UCS_OK ? ucx::statusText(st) : "closed by this rank"),
+                    {peer});
+}
+}  // namespace
 
 // ---------------------------------------------------------------------------- heap
 
@@ -243,23 +300,30 @@ SymmetricHeap SymmetricHeap::create(std::shared_ptr<Communicator> comm, HeapOpti
     for (int p : h->local_peers) {
       if (p >= h->rank) continue;
       try {
-        store.get(fmt::format("symmem/{}/listening/{}", h->id, p), deadline);
+        h->abortable(deadline, "create", h->peerText(p) + " to create the heap", [&](Deadline d) {
+          return store.get(fmt::format("symmem/{}/listening/{}", h->id, p), d);
+        });
       } catch (const Timeout&) {
         throw Timeout(h->ctx("create") + fmt::format("{} never created the heap; every rank must call "
                                                      "SymmetricHeap::create()",
                                                      h->peerText(p)),
                       {p});
       }
-      UnixConn c = UnixConn::connect(socketName(nonce, purpose, p), deadline, h->rank, h->peerText(p));
+      const std::string waiting = h->peerText(p) + "'s heap socket";
+      UnixConn c = h->abortable(deadline, "create", waiting, [&](Deadline d) {
+        return UnixConn::connect(socketName(nonce, purpose, p), d, h->rank, h->peerText(p));
+      });
       int32_t me = h->rank;
-      c.send(&me, sizeof(me), {}, deadline);
+      h->abortable(deadline, "create", waiting, [&](Deadline d) { c.send(&me, sizeof(me), {}, d); });
       h->conns[p] = std::move(c);
     }
     int higher = 0;
     for (int p : h->local_peers) higher += p > h->rank;
     for (int i = 0; i < higher; ++i) {
-      UnixConn c = listener.accept(deadline, "a higher local rank of the symmetric heap");
-      UnixMessage m = c.recv(deadline);
+      const char* waiting = "a higher local rank of the symmetric heap";
+      UnixConn c = h->abortable(deadline, "create", waiting,
+                                [&](Deadline d) { return listener.accept(d, waiting); });
+      UnixMessage m = h->abortable(deadline, "create", waiting, [&](Deadline d) { return c.recv(d); });
       int32_t who = -1;
       if (m.bytes.size() == sizeof(who)) std::memcpy(&who, m.bytes.data(), sizeof(who));
       if (who <= h->rank || who >= h->size || !h->isLocal(who) || h->conns[who].valid())
@@ -335,11 +399,13 @@ std::shared_ptr<SymmetricBuffer> HeapImpl::allocate(std::shared_ptr<HeapImpl> se
     if (!info.empty()) std::memcpy(msg.data() + sizeof(hdr), info.data(), info.size());
     UniqueFd fd(b->own_->exportFd());
     if (!fd) throwSystemError(rank, ctx(op) + "exporting the segment", errno);
-    for (int p : local_peers) conns[p].send(msg, {fd.get()}, deadline);
+    for (int p : local_peers)
+      abortable(deadline, op, peerText(p) + " to take our segment",
+                [&](Deadline d) { conns[p].send(msg, {fd.get()}, d); });
     for (int p : local_peers) {
       UnixMessage m;
       try {
-        m = conns[p].recv(deadline);
+        m = abortable(deadline, op, peerText(p) + "'s segment", [&](Deadline d) { return conns[p].recv(d); });
       } catch (const Timeout&) {
         throw Timeout(
             ctx(op) + fmt::format("{} did not allocate buffer #{}; every rank must allocate the same "
@@ -397,7 +463,9 @@ std::shared_ptr<SymmetricBuffer> HeapImpl::allocate(std::shared_ptr<HeapImpl> se
       if (!ucx[p]) continue;
       Bytes theirs;
       try {
-        theirs = store->get(fmt::format("symmem/{}/{}/rkey/{}", id, bid, p), deadline);
+        theirs = abortable(deadline, op, peerText(p) + "'s UCX key", [&](Deadline d) {
+          return store->get(fmt::format("symmem/{}/{}/rkey/{}", id, bid, p), d);
+        });
       } catch (const Timeout&) {
         throw Timeout(ctx(op) + fmt::format("{} did not publish its UCX key for buffer #{}; every rank must "
                                             "allocate the same sizes in the same order",
@@ -414,13 +482,8 @@ std::shared_ptr<SymmetricBuffer> HeapImpl::allocate(std::shared_ptr<HeapImpl> se
                                   "must allocate the same sizes in the same order",
                                   peerText(p), r->bytes, bid, b->own_->size()),
             {p});
-      std::lock_guard<std::recursive_mutex> ul(r->ctx->mutex());
-      r->ep = r->ctx->ep(world[p]);
-      if (!r->ep) throw PeerFailure(ctx(op) + fmt::format("no UCX endpoint to {}", peerText(p)), {p});
-      ucs_status_t st = ucp_ep_rkey_unpack(r->ep, theirs.data() + 16, &r->rkey);
-      if (st != UCS_OK)
-        throw UcxError(
-            ctx(op) + fmt::format("ucp_ep_rkey_unpack for {}: {}", peerText(p), ucx::statusText(st)), {p});
+      r->ep_rank = world[p];
+      r->rkey = r->ctx->unpackRkey(r->ep_rank, theirs.data() + 16, fmt::format("symmem {} {}", name, op));
       b->remote_[p] = std::move(r);
     }
   }
@@ -519,11 +582,12 @@ void SymmetricBuffer::signalTo(int peer, size_t slot_index, const char* op) {
   }
   RemoteRegion& r = *remote_[peer];
   std::lock_guard<std::recursive_mutex> lock(r.ctx->mutex());
+  ucp_ep_h ep = liveEndpoint(r, *heap_, peer, op);
   // Orders the counter after every earlier put to this peer (its data).
   ucp_worker_fence(r.ctx->worker());
   ucp_request_param_t param{};
   // The source is our own counter array: it lives until free(), which quiets first.
-  void* req = ucp_put_nbx(r.ep, &sent_[slot_index], sizeof(uint64_t),
+  void* req = ucp_put_nbx(ep, &sent_[slot_index], sizeof(uint64_t),
                           r.base + pad_offset_ + their_slot * sizeof(PadSlot), r.rkey, &param);
   if (UCS_PTR_IS_ERR(req))
     throw UcxError(heap_->ctx(op) + fmt::format("signal put to {}: {}", heap_->peerText(peer),
@@ -683,8 +747,9 @@ void SymmetricBuffer::put(int peer, size_t dst_offset, const void* src, size_t b
   void* req;
   {
     std::lock_guard<std::recursive_mutex> lock(r.ctx->mutex());
+    ucp_ep_h ep = liveEndpoint(r, *heap_, peer, "put");
     ucp_request_param_t param{};
-    req = ucp_put_nbx(r.ep, src, bytes, r.base + dst_offset, r.rkey, &param);
+    req = ucp_put_nbx(ep, src, bytes, r.base + dst_offset, r.rkey, &param);
   }
   dirty_[peer] = true;
   waitUcx(
@@ -706,8 +771,9 @@ void SymmetricBuffer::get(int peer, size_t src_offset, void* dst, size_t bytes) 
   void* req;
   {
     std::lock_guard<std::recursive_mutex> lock(r.ctx->mutex());
+    ucp_ep_h ep = liveEndpoint(r, *heap_, peer, "get");
     ucp_request_param_t param{};
-    req = ucp_get_nbx(r.ep, dst, bytes, r.base + src_offset, r.rkey, &param);
+    req = ucp_get_nbx(ep, dst, bytes, r.base + src_offset, r.rkey, &param);
   }
   waitUcx(
       *r.ctx, req, Deadline::after(heap_->timeout),
@@ -740,8 +806,9 @@ void SymmetricBuffer::flushRemote(Deadline deadline) {
     void* req;
     {
       std::lock_guard<std::recursive_mutex> lock(r.ctx->mutex());
+      ucp_ep_h ep = liveEndpoint(r, *heap_, p, "quiet");
       ucp_request_param_t param{};
-      req = ucp_ep_flush_nbx(r.ep, &param);
+      req = ucp_ep_flush_nbx(ep, &param);
     }
     waitUcx(
         *r.ctx, req, deadline,

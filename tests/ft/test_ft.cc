@@ -313,6 +313,50 @@ TEST(FtAbort, WatchdogAbortIsNonblockingAndRevokes) {
       ftRun(3000, false));
 }
 
+// A rank dies before the first collective: the survivors' first collective sets up
+// the call checker's symmetric heap (CROSSBAR_CHECK_CALLS=cheap), whose rendezvous
+// waits for the dead rank. The revoke must end that wait within the detection bound,
+// not at CROSSBAR_TIMEOUT (set far above it here), and shrink must then work.
+TEST(FtKill, RankDeadBeforeFirstCollective) {
+  constexpr int n = 3, victim = 2;
+  auto options = ftRun();
+  options.env["CROSSBAR_CHECK_CALLS"] = "cheap";
+  options.env["CROSSBAR_TIMEOUT"] = "60s";
+  auto results = runRanks(
+      n,
+      [&](RankEnv& env) {
+        auto ft = FaultTolerantComm::create(env.store, env.rank, n, ftOptions(env));
+        if (env.rank == victim) {
+          env.store->set("test/killed_at", std::to_string(monoNs()));
+          ::kill(::getpid(), SIGKILL);
+        }
+        auto coll = std::make_unique<Collectives>(ft->comm());
+        try {
+          step(*coll, 0, 5);
+          ADD_FAILURE() << "rank " << env.rank << ": the collective succeeded without rank " << victim;
+          return;
+        } catch (const Error& e) {
+          const int64_t seen = monoNs();
+          EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kAborted) << e.what();
+          auto killed = std::stoll(toString(env.store->get("test/killed_at", Deadline::after(kSlack))));
+          EXPECT_LT(seen - killed, (kDetect + kSlack).count() * 1'000'000LL)
+              << "the setup waited past the detection bound: " << e.what();
+          auto faults = ft->handleError(e);
+          ASSERT_EQ(faults.size(), 1u) << e.what();
+          EXPECT_EQ(faults[0].rank, victim) << faults[0].describe();
+        }
+        coll.reset();
+        ft->shrink();
+        EXPECT_EQ(ft->size(), n - 1);
+        coll = std::make_unique<Collectives>(ft->comm());
+        for (int it = 0; it < 2; ++it) step(*coll, it, 6);
+        coll.reset();
+        ft->comm()->barrier();
+      },
+      options, /*expect_ok=*/false);
+  expectOutcome(results, {victim});
+}
+
 // Losing the store is a clear, bounded error, not a hang.
 TEST(FtStore, LostStoreIsReported) {
   auto server = std::make_unique<TcpStoreServer>("127.0.0.1", 0);
