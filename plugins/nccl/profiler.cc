@@ -57,12 +57,6 @@ void atomicMax(std::atomic<int64_t>& a, int64_t v) {
   }
 }
 
-// Finished collectives are freed late: NCCL may still start a child event (a proxy op
-// posted before the kernel ended) naming a collective whose expected children are done.
-std::mutex graveyard_mutex;
-std::deque<Event*> graveyard;
-constexpr size_t kGraveyardSize = 4096;
-
 struct Coll : Event {
   std::string func, algo;
   uint64_t bytes = 0;
@@ -70,6 +64,26 @@ struct Coll : Event {
   std::atomic<int64_t> first_start{INT64_MAX}, last_end{0}, max_wait{0};
   std::atomic<bool> finished{false};
 };
+
+// Finished collectives are freed late: NCCL may still start a child event (a proxy op
+// posted before the kernel ended) naming a collective whose expected children are done.
+// What is still here when the plugin is unloaded (dlclose, exit) is freed then.
+struct Graveyard {
+  static constexpr size_t kSize = 4096;
+  std::mutex mutex;
+  std::deque<Coll*> colls;
+  void bury(Coll* c) {
+    std::lock_guard<std::mutex> lock(mutex);
+    colls.push_back(c);
+    if (colls.size() > kSize) {
+      delete colls.front();
+      colls.pop_front();
+    }
+  }
+  ~Graveyard() {
+    for (Coll* c : colls) delete c;
+  }
+} graveyard;
 
 // KernelCh / ProxyOp: a per-channel child of a Coll (or P2p, which we do not record).
 struct Channel : Event {
@@ -111,14 +125,9 @@ void release(Event* e) {
     // A channel's wait is final once its steps are gone too.
     if (e->type == ncclProfileKernelCh || e->type == ncclProfileProxyOp)
       atomicMax(static_cast<Coll*>(parent)->max_wait, static_cast<Channel*>(e)->wait_ns.load());
-    if (e->type == ncclProfileColl) {
-      std::lock_guard<std::mutex> lock(graveyard_mutex);
-      graveyard.push_back(e);
-      if (graveyard.size() > kGraveyardSize) {
-        delete static_cast<Coll*>(graveyard.front());
-        graveyard.pop_front();
-      }
-    } else if (e->type == ncclProfileProxyStep)
+    if (e->type == ncclProfileColl)
+      graveyard.bury(static_cast<Coll*>(e));
+    else if (e->type == ncclProfileProxyStep)
       delete static_cast<Step*>(e);
     else if (e->type == ncclProfileKernelCh || e->type == ncclProfileProxyOp)
       delete static_cast<Channel*>(e);
