@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -857,7 +858,15 @@ TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port, std::opti
   }
   impl_->owner_pid = getpid();
   installForkGate();
-  impl_->thread = std::make_unique<std::thread>([impl = impl_.get()] { impl->run(); });
+  // Return only once the thread runs: its start-up (the sanitizers' per-thread setup
+  // allocates) is not covered by the fork gate, and callers fork right after this.
+  std::promise<void> started;
+  auto running = started.get_future();
+  impl_->thread = std::make_unique<std::thread>([impl = impl_.get(), &started] {
+    started.set_value();
+    impl->run();
+  });
+  running.wait();
   CB_INFO("store", "store server listening on {}{}", impl_->addr(),
           impl_->secret.empty() ? " (no authentication: CROSSBAR_SECRET unset)" : " (authenticated)");
 }
