@@ -52,6 +52,17 @@ struct CollArgs {
   int peer = -1;                                                           // send/recv
   uint32_t tag = 0;                                                        // send/recv (user tag)
 
+  // The fields every call has; the API functions fill in the rest.
+  static CollArgs of(CollType c, const void* send, void* recv, size_t count, DataType type) {
+    CollArgs a;
+    a.coll = c;
+    a.send = send;
+    a.recv = recv;
+    a.count = count;
+    a.type = type;
+    return a;
+  }
+
   // The size the selection table keys on: nccl-tests' "size" (the largest buffer).
   size_t selectionBytes(int nranks) const;
   std::string describe() const;  // "allreduce 4096 x float sum"

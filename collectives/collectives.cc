@@ -566,19 +566,9 @@ Collectives::~Collectives() {
   impl_->worker.join();
 }
 
-static CollArgs base(CollType c, const void* send, void* recv, size_t count, DataType type) {
-  CollArgs a;
-  a.coll = c;
-  a.send = send;
-  a.recv = recv;
-  a.count = count;
-  a.type = type;
-  return a;
-}
-
 WorkPtr Collectives::allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
                                const CollOptions& o) {
-  CollArgs a = base(CollType::kAllreduce, send, recv, count, type);
+  CollArgs a = CollArgs::of(CollType::kAllreduce, send, recv, count, type);
   a.op = op;
   a.premul_scalar = o.premul_scalar;
   return impl_->submit(std::move(a), o);
@@ -586,26 +576,26 @@ WorkPtr Collectives::allreduce(const void* send, void* recv, size_t count, DataT
 
 WorkPtr Collectives::allgather(const void* send, void* recv, size_t count, DataType type,
                                const CollOptions& o) {
-  return impl_->submit(base(CollType::kAllgather, send, recv, count, type), o);
+  return impl_->submit(CollArgs::of(CollType::kAllgather, send, recv, count, type), o);
 }
 
 WorkPtr Collectives::reduceScatter(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
                                    const CollOptions& o) {
-  CollArgs a = base(CollType::kReduceScatter, send, recv, count, type);
+  CollArgs a = CollArgs::of(CollType::kReduceScatter, send, recv, count, type);
   a.op = op;
   a.premul_scalar = o.premul_scalar;
   return impl_->submit(std::move(a), o);
 }
 
 WorkPtr Collectives::broadcast(void* buffer, size_t count, DataType type, int root, const CollOptions& o) {
-  CollArgs a = base(CollType::kBroadcast, buffer, buffer, count, type);
+  CollArgs a = CollArgs::of(CollType::kBroadcast, buffer, buffer, count, type);
   a.root = root;
   return impl_->submit(std::move(a), o);
 }
 
 WorkPtr Collectives::reduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op, int root,
                             const CollOptions& o) {
-  CollArgs a = base(CollType::kReduce, send, recv, count, type);
+  CollArgs a = CollArgs::of(CollType::kReduce, send, recv, count, type);
   a.op = op;
   a.root = root;
   a.premul_scalar = o.premul_scalar;
@@ -614,14 +604,14 @@ WorkPtr Collectives::reduce(const void* send, void* recv, size_t count, DataType
 
 WorkPtr Collectives::alltoall(const void* send, void* recv, size_t count, DataType type,
                               const CollOptions& o) {
-  return impl_->submit(base(CollType::kAlltoall, send, recv, count, type), o);
+  return impl_->submit(CollArgs::of(CollType::kAlltoall, send, recv, count, type), o);
 }
 
 WorkPtr Collectives::alltoallv(const void* send, const std::vector<size_t>& send_counts,
                                const std::vector<size_t>& send_displs, void* recv,
                                const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_displs,
                                DataType type, const CollOptions& o) {
-  CollArgs a = base(CollType::kAlltoallv, send, recv, 0, type);
+  CollArgs a = CollArgs::of(CollType::kAlltoallv, send, recv, 0, type);
   a.send_counts = send_counts;
   a.send_displs = send_displs;
   a.recv_counts = recv_counts;
@@ -631,25 +621,25 @@ WorkPtr Collectives::alltoallv(const void* send, const std::vector<size_t>& send
 
 WorkPtr Collectives::gather(const void* send, void* recv, size_t count, int root, DataType type,
                             const CollOptions& o) {
-  CollArgs a = base(CollType::kGather, send, recv, count, type);
+  CollArgs a = CollArgs::of(CollType::kGather, send, recv, count, type);
   a.root = root;
   return impl_->submit(std::move(a), o);
 }
 
 WorkPtr Collectives::scatter(const void* send, void* recv, size_t count, int root, DataType type,
                              const CollOptions& o) {
-  CollArgs a = base(CollType::kScatter, send, recv, count, type);
+  CollArgs a = CollArgs::of(CollType::kScatter, send, recv, count, type);
   a.root = root;
   return impl_->submit(std::move(a), o);
 }
 
 WorkPtr Collectives::barrier(const CollOptions& o) {
-  return impl_->submit(base(CollType::kBarrier, nullptr, nullptr, 0, DataType::kUInt8), o);
+  return impl_->submit(CollArgs::of(CollType::kBarrier, nullptr, nullptr, 0, DataType::kUInt8), o);
 }
 
 WorkPtr Collectives::send(const void* data, size_t count, DataType type, int peer, uint32_t tag,
                           const CollOptions& o) {
-  CollArgs a = base(CollType::kSend, data, nullptr, count, type);
+  CollArgs a = CollArgs::of(CollType::kSend, data, nullptr, count, type);
   a.peer = peer;
   a.tag = tag;
   return impl_->submit(std::move(a), o);
@@ -657,7 +647,7 @@ WorkPtr Collectives::send(const void* data, size_t count, DataType type, int pee
 
 WorkPtr Collectives::recv(void* data, size_t count, DataType type, int peer, uint32_t tag,
                           const CollOptions& o) {
-  CollArgs a = base(CollType::kRecv, nullptr, data, count, type);
+  CollArgs a = CollArgs::of(CollType::kRecv, nullptr, data, count, type);
   a.peer = peer;
   a.tag = tag;
   return impl_->submit(std::move(a), o);

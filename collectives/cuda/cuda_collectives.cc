@@ -1128,19 +1128,9 @@ WorkPtr CudaCollectives::Impl::run(CollArgs a, cudaStream_t user, const CollOpti
   return w;
 }
 
-static CollArgs base(CollType c, const void* send, void* recv, size_t count, DataType type) {
-  CollArgs a;
-  a.coll = c;
-  a.send = send;
-  a.recv = recv;
-  a.count = count;
-  a.type = type;
-  return a;
-}
-
 WorkPtr CudaCollectives::allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
                                    cudaStream_t stream, const CollOptions& o) {
-  CollArgs a = base(CollType::kAllreduce, send, recv, count, type);
+  CollArgs a = CollArgs::of(CollType::kAllreduce, send, recv, count, type);
   a.op = op;
   a.premul_scalar = o.premul_scalar;
   return impl_->run(std::move(a), stream, o);
@@ -1148,12 +1138,12 @@ WorkPtr CudaCollectives::allreduce(const void* send, void* recv, size_t count, D
 
 WorkPtr CudaCollectives::allgather(const void* send, void* recv, size_t count, DataType type,
                                    cudaStream_t stream, const CollOptions& o) {
-  return impl_->run(base(CollType::kAllgather, send, recv, count, type), stream, o);
+  return impl_->run(CollArgs::of(CollType::kAllgather, send, recv, count, type), stream, o);
 }
 
 WorkPtr CudaCollectives::reduceScatter(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
                                        cudaStream_t stream, const CollOptions& o) {
-  CollArgs a = base(CollType::kReduceScatter, send, recv, count, type);
+  CollArgs a = CollArgs::of(CollType::kReduceScatter, send, recv, count, type);
   a.op = op;
   a.premul_scalar = o.premul_scalar;
   return impl_->run(std::move(a), stream, o);
@@ -1161,14 +1151,14 @@ WorkPtr CudaCollectives::reduceScatter(const void* send, void* recv, size_t coun
 
 WorkPtr CudaCollectives::broadcast(void* buffer, size_t count, DataType type, int root, cudaStream_t stream,
                                    const CollOptions& o) {
-  CollArgs a = base(CollType::kBroadcast, buffer, buffer, count, type);
+  CollArgs a = CollArgs::of(CollType::kBroadcast, buffer, buffer, count, type);
   a.root = root;
   return impl_->run(std::move(a), stream, o);
 }
 
 WorkPtr CudaCollectives::reduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
                                 int root, cudaStream_t stream, const CollOptions& o) {
-  CollArgs a = base(CollType::kReduce, send, recv, count, type);
+  CollArgs a = CollArgs::of(CollType::kReduce, send, recv, count, type);
   a.op = op;
   a.root = root;
   a.premul_scalar = o.premul_scalar;
@@ -1177,7 +1167,7 @@ WorkPtr CudaCollectives::reduce(const void* send, void* recv, size_t count, Data
 
 WorkPtr CudaCollectives::alltoall(const void* send, void* recv, size_t count, DataType type,
                                   cudaStream_t stream, const CollOptions& o) {
-  return impl_->run(base(CollType::kAlltoall, send, recv, count, type), stream, o);
+  return impl_->run(CollArgs::of(CollType::kAlltoall, send, recv, count, type), stream, o);
 }
 
 WorkPtr CudaCollectives::alltoallv(const void* send, const std::vector<size_t>& send_counts,
@@ -1185,7 +1175,7 @@ WorkPtr CudaCollectives::alltoallv(const void* send, const std::vector<size_t>& 
                                    const std::vector<size_t>& recv_counts,
                                    const std::vector<size_t>& recv_displs, DataType type, cudaStream_t stream,
                                    const CollOptions& o) {
-  CollArgs a = base(CollType::kAlltoallv, send, recv, 0, type);
+  CollArgs a = CollArgs::of(CollType::kAlltoallv, send, recv, 0, type);
   a.send_counts = send_counts;
   a.send_displs = send_displs;
   a.recv_counts = recv_counts;
@@ -1195,25 +1185,25 @@ WorkPtr CudaCollectives::alltoallv(const void* send, const std::vector<size_t>& 
 
 WorkPtr CudaCollectives::gather(const void* send, void* recv, size_t count, int root, DataType type,
                                 cudaStream_t stream, const CollOptions& o) {
-  CollArgs a = base(CollType::kGather, send, recv, count, type);
+  CollArgs a = CollArgs::of(CollType::kGather, send, recv, count, type);
   a.root = root;
   return impl_->run(std::move(a), stream, o);
 }
 
 WorkPtr CudaCollectives::scatter(const void* send, void* recv, size_t count, int root, DataType type,
                                  cudaStream_t stream, const CollOptions& o) {
-  CollArgs a = base(CollType::kScatter, send, recv, count, type);
+  CollArgs a = CollArgs::of(CollType::kScatter, send, recv, count, type);
   a.root = root;
   return impl_->run(std::move(a), stream, o);
 }
 
 WorkPtr CudaCollectives::barrier(cudaStream_t stream, const CollOptions& o) {
-  return impl_->run(base(CollType::kBarrier, nullptr, nullptr, 0, DataType::kUInt8), stream, o);
+  return impl_->run(CollArgs::of(CollType::kBarrier, nullptr, nullptr, 0, DataType::kUInt8), stream, o);
 }
 
 WorkPtr CudaCollectives::send(const void* data, size_t count, DataType type, int peer, uint32_t tag,
                               cudaStream_t stream, const CollOptions& o) {
-  CollArgs a = base(CollType::kSend, data, nullptr, count, type);
+  CollArgs a = CollArgs::of(CollType::kSend, data, nullptr, count, type);
   a.peer = peer;
   a.tag = tag;
   return impl_->run(std::move(a), stream, o);
@@ -1221,7 +1211,7 @@ WorkPtr CudaCollectives::send(const void* data, size_t count, DataType type, int
 
 WorkPtr CudaCollectives::recv(void* data, size_t count, DataType type, int peer, uint32_t tag,
                               cudaStream_t stream, const CollOptions& o) {
-  CollArgs a = base(CollType::kRecv, nullptr, data, count, type);
+  CollArgs a = CollArgs::of(CollType::kRecv, nullptr, data, count, type);
   a.peer = peer;
   a.tag = tag;
   return impl_->run(std::move(a), stream, o);
