@@ -1,6 +1,7 @@
 #include "comm/ft.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <set>
 #include <sstream>
 #include <string_view>
+#include <tuple>
 
 #include "comm/context.h"
 #include "comm/env.h"
@@ -493,6 +495,37 @@ void FailureDetector::fire(const FailureEvent& event) {
   }
 }
 
+Agreement agree(int size, int leader, const std::map<int, std::vector<PeerFault>>& views,
+                const std::set<int>& left) {
+  struct Accusation {
+    int reporter, accused;
+  };
+  std::vector<Accusation> all;
+  for (const auto& [poster, view] : views)
+    for (const auto& f : view) {
+      const int reporter = f.reporter >= 0 && f.reporter < size ? f.reporter : poster;
+      if (f.rank < 0 || f.rank >= size || f.rank == reporter) continue;
+      all.push_back({reporter, f.rank});
+    }
+  std::stable_sort(all.begin(), all.end(), [&](const Accusation& a, const Accusation& b) {
+    const bool al = a.reporter == leader, bl = b.reporter == leader;
+    if (al != bl) return al;
+    return std::tie(a.reporter, a.accused) < std::tie(b.reporter, b.accused);
+  });
+  Agreement out;
+  for (int r : left)
+    if (r != leader) out.excluded.insert(r);
+  for (const auto& a : all) {
+    if (out.excluded.count(a.reporter)) continue;
+    out.excluded.insert(a.accused == leader ? a.reporter : a.accused);
+  }
+  for (int r = 0; r < size; ++r) {
+    if (out.excluded.count(r)) continue;
+    (views.count(r) ? out.members : out.waiting).push_back(r);
+  }
+  return out;
+}
+
 // ------------------------------------------------------------------------------------
 // FaultTolerantComm
 
@@ -638,8 +671,14 @@ std::string FaultTolerantComm::awaitDecision(const std::function<std::string()>&
   const std::string op = shrinking ? "shrink" : "grow";
   while (true) {
     if (es->check({"decision"})) return toString(es->get("decision", overall));
+    // Leader: the lowest rank not known to have failed. "Unreachable" is one rank's
+    // view of a link, not a fact about the peer: adopted from another rank's revoke it
+    // would depose a leader this rank can reach (a cut link's far side would elect a
+    // leader on our side). Dead, hung and own findings count (also against this rank:
+    // a stopped rank that resumes must not decide for the others).
     std::set<int> failed;
-    for (const auto& f : detector_->faults()) failed.insert(f.rank);
+    for (const auto& f : detector_->faults())
+      if (f.reporter == comm_->rank() || f.kind != FailureKind::kUnreachable) failed.insert(f.rank);
     int leader = 0;
     while (failed.count(leader)) ++leader;
     if (leader == comm_->rank()) return leader_decide();
@@ -669,46 +708,34 @@ std::shared_ptr<Communicator> FaultTolerantComm::shrink() {
   es->set(fmt::format("view/{}", me), serialize(detector_->faults()));
 
   auto decide = [&]() -> std::string {
-    // Collect the survivors' views until every rank nobody blames has posted one.
+    // Collect views until every rank that no standing accusation excludes has posted
+    // one: a rank that is only slow (alive, heartbeating) is waited for up to the
+    // agreement window (2 x the detection bound), not left out because a rank the
+    // decision excludes anyway blamed it.
     const Deadline views_deadline = Deadline::after(2 * detect_timeout_);
     std::map<int, std::vector<PeerFault>> views;
-    views[me] = detector_->faults();
+    std::set<int> left;
+    Agreement agreed;
     while (true) {
-      std::set<int> blamed;
-      for (auto& [r, v] : views)
-        for (auto& f : v) blamed.insert(f.rank);
-      for (auto& f : detector_->faults()) blamed.insert(f.rank);
-      bool waiting = false;
-      for (int r = 0; r < n; ++r) {
-        if (views.count(r) || blamed.count(r)) continue;
+      views[me] = detector_->faults();
+      agreed = agree(n, me, views, left);
+      for (int r : agreed.waiting) {
         std::string key = fmt::format("view/{}", r);
         if (es->check({key}))
           views[r] = parseFaults(toString(es->get(key, views_deadline)));
-        else
-          waiting = true;
+        else if (es->check({fmt::format("left/{}", r)}))
+          left.insert(r);
       }
-      if (!waiting || views_deadline.expired()) break;
+      agreed = agree(n, me, views, left);
+      if (agreed.waiting.empty() || views_deadline.expired()) break;
       std::this_thread::sleep_for(Millis(5));
     }
-    // Accusations in rank order; an excluded rank's accusations no longer count, and
-    // one against the leader excludes the accuser (one side of a cut link must go).
-    std::set<int> excluded;
-    for (auto& [accuser, view] : views) {
-      if (excluded.count(accuser)) continue;
-      for (auto& f : view) {
-        if (f.rank < 0 || f.rank >= n) continue;
-        if (f.rank == me) {
-          excluded.insert(accuser);
-          break;
-        }
-        excluded.insert(f.rank);
-      }
-    }
     std::string text = fmt::format("shrink {}\n", epoch_ + 1);
-    for (auto& [r, view] : views)
-      if (!excluded.count(r)) text += memberLine(r, members_[r]);
-    CB_INFO("ft", "rank {} decides epoch {}: {} of {} ranks stay", me, epoch_ + 1,
-            std::count(text.begin(), text.end(), '\n') - 1, n);
+    for (int r : agreed.members) text += memberLine(r, members_[r]);
+    if (!agreed.waiting.empty())
+      CB_WARN("ft", "rank {} decides epoch {} without ranks {} (no view within {} ms)", me, epoch_ + 1,
+              fmt::join(agreed.waiting, ","), (2 * detect_timeout_).count());
+    CB_INFO("ft", "rank {} decides epoch {}: {} of {} ranks stay", me, epoch_ + 1, agreed.members.size(), n);
     return toString(es->compareSet("decision", {}, toBytes(text)));
   };
   return applyDecision(awaitDecision(decide, true), false);

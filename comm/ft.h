@@ -29,6 +29,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -181,6 +182,21 @@ class FailureDetector {
   std::vector<Probe> probes_;
   std::thread thread_;
 };
+
+// The shrink agreement's decision rule (the leader runs it; exposed for tests).
+// Every fault in a view is an accusation "reporter cannot use rank": views carry the
+// poster's own findings and those it adopted from revokes, each under its real reporter,
+// so a relayed accusation counts once, for whoever made it. Accusations are applied
+// the leader's first, then by reporter: an excluded reporter's accusations no longer
+// count, and one against the leader excludes the reporter instead (of two sides of a
+// cut link, the leader's stays). Ranks that left cleanly are out.
+struct Agreement {
+  std::vector<int> members;  // posted a view and not excluded (ascending)
+  std::vector<int> waiting;  // not excluded but no view yet: the leader waits for them
+  std::set<int> excluded;
+};
+Agreement agree(int size, int leader, const std::map<int, std::vector<PeerFault>>& views,
+                const std::set<int>& left = {});
 
 class FaultTolerantComm {
  public:

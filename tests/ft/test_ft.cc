@@ -276,6 +276,57 @@ TEST(FtLink, CutLinkBetweenVirtualNodes) {
       o);
 }
 
+// The shrink agreement's decision rule (ft::agree), on the views that made a cut-link
+// shrink leave a same-side survivor out before it was fixed.
+ft::PeerFault accuse(int reporter, int accused, FailureKind kind = FailureKind::kUnreachable) {
+  return ft::PeerFault{accused, kind, "h", 100 + accused, reporter, "test"};
+}
+
+TEST(FtAgreement, RelayedAccusationCountsForItsReporter) {
+  // Ranks 0,1 | 2,3 cut. Rank 0's revoke (0 blames 2 and 3) reached rank 3 first, so
+  // rank 3's view relays it; rank 2 leads its side. The relayed accusation is rank 0's,
+  // and rank 0 is excluded by the leader's own: rank 3 stays with rank 2.
+  std::map<int, std::vector<ft::PeerFault>> views{{2, {accuse(2, 0), accuse(2, 1)}},
+                                                  {3, {accuse(0, 2), accuse(0, 3)}}};
+  auto a = ft::agree(4, 2, views);
+  EXPECT_EQ(a.members, (std::vector<int>{2, 3}));
+  EXPECT_TRUE(a.waiting.empty());
+  EXPECT_EQ(a.excluded, (std::set<int>{0, 1}));
+}
+
+TEST(FtAgreement, WaitsForSameSideRankBlamedOnlyByExcludedRank) {
+  // Leader 0 has seen rank 3 go; rank 2 (other side) posted a view blaming 0 and 1.
+  // Rank 1 is only slow: it must be waited for, not dropped because rank 2 blamed it.
+  std::map<int, std::vector<ft::PeerFault>> views{{0, {accuse(0, 3)}}, {2, {accuse(2, 0), accuse(2, 1)}}};
+  auto a = ft::agree(4, 0, views);
+  EXPECT_EQ(a.waiting, (std::vector<int>{1}));
+  EXPECT_EQ(a.excluded, (std::set<int>{2, 3}));
+  views[1] = {accuse(1, 2), accuse(1, 3), accuse(2, 1)};  // its own findings and the relayed blame
+  a = ft::agree(4, 0, views);
+  EXPECT_EQ(a.members, (std::vector<int>{0, 1}));
+  EXPECT_TRUE(a.waiting.empty());
+}
+
+TEST(FtAgreement, DeadRankRelayedByEveryone) {
+  std::map<int, std::vector<ft::PeerFault>> views;
+  for (int r = 0; r < 8; ++r)
+    if (r != 5) views[r] = {accuse(r == 0 ? 0 : 3, 5, FailureKind::kDead)};
+  auto a = ft::agree(8, 0, views);
+  EXPECT_EQ(a.members, (std::vector<int>{0, 1, 2, 3, 4, 6, 7}));
+  EXPECT_EQ(a.excluded, (std::set<int>{5}));
+}
+
+TEST(FtAgreement, LeaderStaysAccusersOfItGoAndLeftRanksAreOut) {
+  // Rank 1 was stopped and resumed: it relays rank 2's "1 is hung" and (wrongly) blames
+  // the leader; rank 3 left cleanly and never posts; self-accusations count for nothing.
+  std::map<int, std::vector<ft::PeerFault>> views{
+      {0, {accuse(0, 0)}}, {1, {accuse(2, 1, FailureKind::kHung), accuse(1, 0)}}, {2, {}}};
+  auto a = ft::agree(4, 0, views, {3});
+  EXPECT_EQ(a.members, (std::vector<int>{0, 2}));
+  EXPECT_TRUE(a.waiting.empty());
+  EXPECT_EQ(a.excluded, (std::set<int>{1, 3}));
+}
+
 // abort() from a watchdog thread returns at once, fails the blocked wait here and,
 // through the revoke key, on the other rank; both then shrink to the same two ranks.
 TEST(FtAbort, WatchdogAbortIsNonblockingAndRevokes) {
