@@ -243,12 +243,6 @@ void allreduceTwoShotNt(const CollArgs& a, RunContext& x) {
 
 // ---- reduce-scatter / allgather over blocks (also the hierarchical phases) -------------
 
-// Blocks of a buffer: block b at element off[b], len[b] elements.
-struct Blocks {
-  std::vector<size_t> off, len;
-  size_t maxLen() const { return len.empty() ? 0 : *std::max_element(len.begin(), len.end()); }
-};
-
 Blocks uniformBlocks(size_t count, int p) {
   Blocks b;
   for (int i = 0; i < p; ++i) {
@@ -257,6 +251,8 @@ Blocks uniformBlocks(size_t count, int p) {
   }
   return b;
 }
+
+}  // namespace
 
 // rank r's output `out` (len[r] elements) = reduce over ranks of their input block r.
 // Every rank stages its blocks b != r chunk by chunk (its own block r it reads in place).
@@ -311,6 +307,8 @@ void symmAllgather(SymmStaging& s, const RunContext& x, const void* mine, void* 
   }
   s.advance(K);
 }
+
+namespace {
 
 void reduceScatterSymm(const CollArgs& a, RunContext& x) {
   SymmStaging& s = staging(*x.comm, x);

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -21,6 +22,8 @@
 #include <mutex>
 #include <vector>
 
+#include "collectives/algorithms.h"
+#include "collectives/reduce.h"
 #include "comm/communicator.h"
 #include "comm/deadline.h"
 #include "symmem/symmetric_heap.h"
@@ -87,5 +90,22 @@ class SymmCache {
   std::mutex mutex_;
   std::map<const Communicator*, std::unique_ptr<SymmStaging>> states_;
 };
+
+// Blocks of a buffer: block b at element off[b], len[b] elements.
+struct Blocks {
+  std::vector<size_t> off, len;
+  size_t maxLen() const { return len.empty() ? 0 : *std::max_element(len.begin(), len.end()); }
+};
+
+// Building blocks of the symmetric-memory algorithms, also used by the hierarchical
+// ones (hier_algorithms.cc), over the staging of one intra-node communicator (B has
+// one block per rank of it). symmReduceScatter: rank r's `out` (len[r] elements) =
+// reduce over ranks of their input block r (full op: premul scaling, avg division).
+// symmAllgather: every rank's `mine` (len[r] elements) lands at out + off[r] on every
+// rank (`nt`: streaming stores).
+void symmReduceScatter(SymmStaging& s, const RunContext& x, const void* in, void* out, const Blocks& B,
+                       DataType t, ReduceOp op, const ReduceParams& prm);
+void symmAllgather(SymmStaging& s, const RunContext& x, const void* mine, void* out, const Blocks& B,
+                   DataType t, bool nt);
 
 }  // namespace crossbar
