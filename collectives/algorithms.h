@@ -125,9 +125,11 @@ const std::deque<Algorithm>& algorithms();
 const Algorithm* findAlgorithm(CollType coll, const std::string& name);
 void registerAlgorithm(Algorithm a);
 
-// Defined in host_algorithms.cc / symm_algorithms.cc; called once by algorithms().
+// Defined in host_algorithms.cc / symm_algorithms.cc / hier_algorithms.cc; called once
+// by algorithms().
 void registerHostAlgorithms(std::deque<Algorithm>& out);
 void registerSymmAlgorithms(std::deque<Algorithm>& out);
+void registerHierAlgorithms(std::deque<Algorithm>& out);
 
 // In-place allreduce of `buf` over point-to-point (recursive doubling below 64 KiB,
 // else ring) with an already normalized op (no premul/avg); sub-tags sub..sub+1.

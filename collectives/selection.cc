@@ -123,6 +123,7 @@ std::deque<Algorithm>& registry() {
     auto* v = new std::deque<Algorithm>();
     registerHostAlgorithms(*v);
     registerSymmAlgorithms(*v);
+    registerHierAlgorithms(*v);
     return v;
   }();
   return *r;
@@ -243,8 +244,14 @@ const std::vector<SelectionRule>& selectionTable() {
       {CollType::kAlltoallv, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
       {CollType::kGather, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
       {CollType::kScatter, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
-      // Several nodes: symmetric memory inside each node, point-to-point across.
+      // Several nodes: symmetric memory inside each node, point-to-point across; from
+      // a few chunks (CROSSBAR_COLL_HIER_CHUNK) up, pipelined so the inter-node phase
+      // of a chunk overlaps the intra-node phases of its neighbours (hier_algorithms.cc).
+      {CollType::kAllreduce, 2 * M, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
       {CollType::kAllreduce, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hierarchical_symm"},
+      {CollType::kAllgather, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
+      {CollType::kReduceScatter, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
+      {CollType::kBroadcast, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
       {CollType::kAllreduce, 0, 64 * K, 1, kAnyRanks, NodeScope::kAny, "rd"},
       {CollType::kAllreduce, 64 * K, kInf, 1, kAnyRanks, NodeScope::kAny, "ring"},
       {CollType::kAllgather, 0, 256 * K, 1, kAnyRanks, NodeScope::kAny, "rd"},  // powers of 2

@@ -338,8 +338,9 @@ bool hasInPlace(CollType c) {
   return c != CollType::kBroadcast && c != CollType::kBarrier && c != CollType::kAlltoallv;
 }
 
-// The whole matrix for one communicator, identical on every rank.
-std::vector<Case> matrix(int p) {
+// The whole matrix for one communicator, identical on every rank. `multi`: the
+// communicator spans several nodes (adds the multi-node algorithms' type x op sweep).
+std::vector<Case> matrix(int p, bool multi = false) {
   std::vector<Case> cases;
   const size_t sizes[] = {0, 1, 7, 1031, 65539};
   const std::pair<DataType, ReduceOp> red[] = {
@@ -396,6 +397,10 @@ std::vector<Case> matrix(int p) {
         for (size_t n : {size_t{7}, size_t{1031}, size_t{9001}})
           cases.push_back(
               Case{CollType::kAllreduce, algo, n, (ti + oi + n) % 2 == 0, size_t((oi + n) % 2), t, op});
+      if (multi) {
+        cases.push_back(Case{CollType::kAllreduce, "hier_pipelined", 1031, (ti + oi) % 2 == 1, 1, t, op});
+        cases.push_back(Case{CollType::kReduceScatter, "hier_pipelined", 7, oi % 2 == 0, size_t(ti % 2), t, op});
+      }
       cases.push_back(Case{CollType::kReduce, "binomial", 7, false, 0, t, op, (ti + oi) % p});
       cases.push_back(Case{CollType::kReduce, "symm", 9001, oi % 2 == 0, 1, t, op, (ti + oi + 1) % p});
       cases.push_back(Case{CollType::kReduceScatter, oi % 2 ? "ring" : "pairwise", 7, false, 1, t, op});
@@ -463,7 +468,7 @@ TEST_P(CollMatrix, AllAlgorithms) {
       [&](RankEnv& env) {
         auto comm = env.communicator();
         Collectives coll(comm);
-        auto cases = matrix(comm->size());
+        auto cases = matrix(comm->size(), comm->numNodes() > 1);
         runCases(coll, *comm, cases, 8, 100);
         // The one large case: 4M floats.
         if (cfg.ranks == 4 && cfg.ranks_per_node == 0)
@@ -489,6 +494,98 @@ INSTANTIATE_TEST_SUITE_P(Ranks, CollMatrix,
                                            Config{8, 0, "8K"}, Config{8, 4, "8K"}),
                          [](const auto& info) {
                            return fmt::format("n{}_rpn{}", info.param.ranks, info.param.ranks_per_node);
+                         });
+
+// ---- multi-node (hierarchical, pipelined) ---------------------------------------------
+
+// Every hierarchical algorithm x size (0, 1, odd, prime, many chunks) x in/out of place
+// x offset, every type x op of the reducing ones, every root of broadcast.
+std::vector<Case> hierMatrix(int p) {
+  std::vector<Case> cases;
+  const size_t sizes[] = {0, 1, 7, 1031, 9001};
+  const DataType mov[] = {DataType::kUInt8, DataType::kInt32, DataType::kFloat16, DataType::kFloat64};
+  int k = 0;
+  for (CollType coll : {CollType::kAllreduce, CollType::kReduceScatter, CollType::kAllgather}) {
+    for (size_t si = 0; si < std::size(sizes); ++si)
+      for (int inplace = 0; inplace < 2; ++inplace, ++k) {
+        Case c{coll, "hier_pipelined", sizes[si], inplace == 1, (si + inplace) % 2};
+        if (isReduction(coll)) {
+          c.type = k % 2 ? DataType::kFloat32 : DataType::kInt64;
+          c.op = k % 3 ? ReduceOp::kSum : ReduceOp::kAvg;
+        } else {
+          c.type = mov[k % std::size(mov)];
+        }
+        cases.push_back(c);
+      }
+  }
+  for (int root = 0; root < p; ++root)
+    for (size_t n : {size_t{1}, size_t{1031}, size_t{9001}})
+      cases.push_back(Case{CollType::kBroadcast, "hier_pipelined", n, false, size_t(root % 2),
+                           mov[(root + n) % std::size(mov)], ReduceOp::kSum, root});
+  for (int ti = 0; ti < kNumDataTypes; ++ti)
+    for (int oi = 0; oi < kNumReduceOps; ++oi) {
+      auto t = static_cast<DataType>(ti);
+      auto op = static_cast<ReduceOp>(oi);
+      if (!isSupported(t, op)) continue;
+      cases.push_back(Case{CollType::kAllreduce, "hier_pipelined", (ti + oi) % 2 ? size_t{1031} : size_t{7},
+                           (ti + oi) % 2 == 0, size_t(oi % 2), t, op});
+      cases.push_back(Case{CollType::kReduceScatter, "hier_pipelined", (ti + oi) % 2 ? size_t{7} : size_t{1031},
+                           oi % 2 == 1, size_t(ti % 2), t, op});
+    }
+  return cases;
+}
+
+struct HierConfig {
+  int nodes, per_node;
+};
+
+void PrintTo(const HierConfig& c, std::ostream* os) {
+  *os << c.nodes << " nodes x " << c.per_node << " ranks";
+}
+
+class HierMatrix : public ::testing::TestWithParam<HierConfig> {};
+
+TEST_P(HierMatrix, PipelinedAlgorithms) {
+  const HierConfig cfg = GetParam();
+  RunOptions opts;
+  opts.timeout = Millis(600'000);
+  opts.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(cfg.per_node);
+  opts.env["CROSSBAR_TIMEOUT"] = "120s";
+  // Small pipeline chunks and staging: the larger sizes run through many chunks.
+  opts.env["CROSSBAR_COLL_HIER_CHUNK"] = "1K";
+  opts.env["CROSSBAR_COLL_SYMM_BYTES"] = "32K";
+  runRanks(
+      cfg.nodes * cfg.per_node,
+      [&](RankEnv& env) {
+        auto comm = env.communicator();
+        ASSERT_EQ(comm->numNodes(), cfg.nodes);
+        // The algorithms must apply here (a forced one that does not falls back silently).
+        for (CollType c : {CollType::kAllreduce, CollType::kReduceScatter, CollType::kAllgather,
+                           CollType::kBroadcast}) {
+          const Algorithm* a = findAlgorithm(c, "hier_pipelined");
+          ASSERT_NE(a, nullptr) << collTypeName(c);
+          EXPECT_EQ(a->applies(CollArgs::of(c, nullptr, nullptr, 1, DataType::kFloat32), *comm), "");
+        }
+        Collectives coll(comm);
+        // Back to back: 24 nonblocking operations in flight, then waited for.
+        runCases(coll, *comm, hierMatrix(comm->size()), 24, 300);
+        // Table selection picks them for large buffers (>= 4 ranks).
+        if (comm->size() >= 4) {
+          CollArgs big = CollArgs::of(CollType::kAllreduce, nullptr, nullptr, size_t{4} << 20, DataType::kFloat32);
+          EXPECT_EQ(selectAlgorithm(big, *comm, "", AlgoOverride{}).algorithm->name, "hier_pipelined");
+          big.coll = CollType::kAllgather;
+          EXPECT_EQ(selectAlgorithm(big, *comm, "", AlgoOverride{}).algorithm->name, "hier_pipelined");
+        }
+        comm->destroy();
+      },
+      opts);
+}
+
+INSTANTIATE_TEST_SUITE_P(Nodes, HierMatrix,
+                         ::testing::Values(HierConfig{2, 2}, HierConfig{2, 3}, HierConfig{3, 2},
+                                           HierConfig{4, 2}),
+                         [](const auto& info) {
+                           return fmt::format("{}x{}", info.param.nodes, info.param.per_node);
                          });
 
 // ---- point to point, groups, errors ---------------------------------------------------
