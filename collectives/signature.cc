@@ -443,27 +443,53 @@ bool CallChecker::sameHashEverywhere(Communicator& comm, const CallSignature& mi
   return lo == hi;  // every rank saw the same minimum and maximum
 }
 
-void CallChecker::check(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq,
-                        Deadline deadline) {
+Mismatch CallChecker::compare(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq,
+                              Deadline deadline) {
   const int p = comm->size();
   if (mode_ == CallCheckMode::kOff || p == 1 || a.coll == CollType::kSend || a.coll == CollType::kRecv)
-    return;
+    return {};
   const bool local = mode_ == CallCheckMode::kCheap && comm->numNodes() == 1;
   // Per-pair alltoallv counts: in full mode, and within a node (shared memory: free).
   const CallSignature mine = CallSignature::of(a, seq, mode_ == CallCheckMode::kFull || local);
-  Mismatch m;
-  if (local) {
-    m = findMismatch(exchangeLocal(comm, mine, seq, deadline));
-  } else if (mode_ == CallCheckMode::kCheap && sameHashEverywhere(*comm, mine, seq, deadline)) {
-    return;
-  } else {
-    // Full mode, or cheap mode after a hash mismatch (every rank knows, so every rank is here).
-    m = findMismatch(exchangeAll(*comm, mine, seq, deadline));
-  }
+  if (local) return findMismatch(exchangeLocal(comm, mine, seq, deadline));
+  if (mode_ == CallCheckMode::kCheap && sameHashEverywhere(*comm, mine, seq, deadline)) return {};
+  // Full mode, or cheap mode after a hash mismatch (every rank knows, so every rank is here).
+  return findMismatch(exchangeAll(*comm, mine, seq, deadline));
+}
+
+void CallChecker::check(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq,
+                        Deadline deadline) {
+  Mismatch m = compare(comm, a, seq, deadline);
   if (!m.message.empty())
     throw InvalidUsage(fmt::format("{}{} (CROSSBAR_CHECK_CALLS={})", errorContext(comm->rank(), "call check"),
                                    m.message, callCheckModeName(mode_)),
                        m.ranks);
+}
+
+int64_t EnqueueCallCheck::beforeEnqueue(const std::shared_ptr<Communicator>& comm, const CollArgs& a,
+                                        Deadline deadline) {
+  if (a.coll == CollType::kSend || a.coll == CollType::kRecv) return -1;
+  const char* name = collTypeName(a.coll);
+  if (!broken_.empty())
+    throw InvalidUsage(fmt::format("{}not run: an earlier call check ended without a verdict, so the peers "
+                                   "may be at another collective; abort the communicator and create a new "
+                                   "one. First error: {}",
+                                   errorContext(comm->rank(), name), broken_));
+  const uint64_t seq = next_seq_++;
+  Mismatch m;
+  try {
+    m = checker_.compare(comm, a, seq, deadline);
+  } catch (const std::exception& e) {
+    broken_ = e.what();
+    throw;
+  }
+  if (!m.message.empty())
+    throw InvalidUsage(fmt::format("{}call check: {} (CROSSBAR_CHECK_CALLS={}). Nothing of this call was "
+                                   "enqueued on any rank; later calls that match still work",
+                                   errorContext(comm->rank(), name), m.message,
+                                   callCheckModeName(checker_.mode())),
+                       m.ranks);
+  return static_cast<int64_t>(seq);
 }
 
 }  // namespace crossbar

@@ -77,6 +77,10 @@ class CallChecker {
   explicit CallChecker(CallCheckMode mode) : mode_(mode) {}
   CallCheckMode mode() const { return mode_; }
   void check(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq, Deadline deadline);
+  // The same exchange, returning the mismatch (empty message: the calls agree) instead of
+  // throwing it; still throws Timeout, or InvalidUsage for a malformed peer signature.
+  Mismatch compare(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq,
+                   Deadline deadline);
 
  private:
   // Cheap mode within one node; returns every rank's call.
@@ -93,6 +97,40 @@ class CallChecker {
   symm::SymmetricHeap heap_;  // cheap mode, one node: created at the first check
   std::shared_ptr<symm::SymmetricBuffer> slots_;
   uint64_t local_checks_ = 0;  // signals consumed from each peer so far
+};
+
+// The check of stream-ordered calls (CudaCollectives), run on the calling thread at
+// enqueue time, before anything of the call is enqueued on the GPU. The host knows the
+// whole signature at the call, so it is exchanged there, through the same CallChecker
+// (cheap: shared-memory slots within a node, a hash dissemination across nodes) on the
+// caller's communicator: a mismatch raises InvalidUsage on every rank before any rank
+// enqueues a kernel for that call, so no stream waits forever for a peer that called
+// something else. The host waits only for the peers' hosts to reach the same call (never
+// for a GPU): with every operation of a CudaCollectives running in issue order on one
+// stream, a peer's host can only be blocked on GPU work issued before this call, which
+// this rank has already enqueued, so the wait cannot deadlock.
+//
+// Sequence numbers count collectives only (point-to-point calls need not pair up per
+// call), in every mode, so unbalanced send/recv keep the ranks in step.
+class EnqueueCallCheck {
+ public:
+  explicit EnqueueCallCheck(CallCheckMode mode) : checker_(mode) {}
+  CallCheckMode mode() const { return checker_.mode(); }
+
+  // Call before enqueueing anything of `a` on `comm`'s rank. Returns the collective's
+  // sequence number (point-to-point: -1, not checked). Throws
+  //  * InvalidUsage on a mismatch: on every rank, at the same call, nothing of it enqueued
+  //    anywhere; the sequence stays in step, so later (matching) calls still work;
+  //  * Timeout when a peer does not reach the call before `deadline` (it called nothing,
+  //    or is stuck): the peers' progress is then unknown, so every later call fails at
+  //    once with InvalidUsage saying why (abort the communicator, start again).
+  int64_t beforeEnqueue(const std::shared_ptr<Communicator>& comm, const CollArgs& a, Deadline deadline);
+  uint64_t collectivesChecked() const { return next_seq_; }
+
+ private:
+  CallChecker checker_;
+  uint64_t next_seq_ = 0;
+  std::string broken_;  // a check failed without a verdict: the first error
 };
 
 }  // namespace crossbar

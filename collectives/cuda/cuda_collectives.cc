@@ -30,6 +30,7 @@
 #include "collectives/float_types.h"
 #include "collectives/reduce.h"
 #include "collectives/selection.h"
+#include "collectives/signature.h"
 #include "comm/env.h"
 #include "comm/errors.h"
 #include "comm/log.h"
@@ -381,7 +382,10 @@ struct CudaCollectives::Impl {
   std::string nccl_error;  // creation failed once: every later NCCL call fails the same way
   std::vector<std::pair<std::weak_ptr<symm::SymmetricBuffer>, cuda::NcclWindow>> windows;
   void* nccl_scratch = nullptr;  // barrier via NCCL
-  uint64_t seq = 0;
+  // Mismatched calls (CROSSBAR_CHECK_CALLS): compared on the host before anything is
+  // enqueued; also numbers the collectives (point-to-point calls take no number).
+  EnqueueCallCheck calls{callCheckModeFromEnv()};
+  uint64_t coll_seq = 0;  // the current collective's number (alltoallv exchange tags)
   std::string sticky;  // an enqueue failed half-way: the peers' state is unknown
   int group_depth = 0;
   std::shared_ptr<CudaWork> group_work;
@@ -761,7 +765,7 @@ size_t CudaCollectives::Impl::exchangeAlltoallv(const CollArgs& a, Deadline dead
     extent = std::max({extent, a.send_displs[r] + a.send_counts[r], a.recv_displs[r] + a.recv_counts[r]});
   }
   mine[2 * n] = extent * es;
-  const uint32_t tag = static_cast<uint32_t>(seq & 0xFFFFFF);
+  const uint32_t tag = static_cast<uint32_t>(coll_seq & 0xFFFFFF);
   const size_t row = width * sizeof(uint64_t);
   std::vector<RequestPtr> reqs;
   for (int r = 0; r < n; ++r) {
@@ -1034,18 +1038,28 @@ WorkPtr CudaCollectives::Impl::run(CollArgs a, cudaStream_t user, const CollOpti
                        "state is unknown; abort the communicator and create a new one. First "
                        "error: " +
                        sticky);
+  const Deadline deadline = Deadline::after(timeout(o));
+  // Every rank compares this call with its peers' before any rank enqueues a kernel of it
+  // (a mismatch: InvalidUsage on every rank, nothing enqueued, still usable). A check
+  // that ends without a verdict (a peer never came) leaves the peers' state unknown.
+  int64_t my_seq = -1;
+  try {
+    my_seq = calls.beforeEnqueue(ctl, a, deadline);
+  } catch (const Timeout& e) {
+    sticky = fmt::format("{} (call check): {}", a.describe(), e.what());
+    throw;
+  }
+  if (my_seq >= 0) coll_seq = static_cast<uint64_t>(my_seq);
   Selection s = selectAlgorithm(a, *comm, o.algorithm, env_override, MemoryKind::kCuda);
   const Algorithm* algo = s.algorithm;
   if (algo->name != "nccl" && !heap_reason.empty()) {
     s.reason += " -> nccl: no CUDA heap (" + heap_reason + ")";
     algo = findAlgorithm(a.coll, "nccl", MemoryKind::kCuda);
   }
-  const uint64_t my_seq = seq++;
   const std::string desc = fmt::format("{} ({}, cuda)", a.describe(), algo->name);
   CB_INFO("coll", "{}: cuda #{} {} [{}]", comm->name(), my_seq, desc, s.reason);
   const bool is_nccl = algo->name == "nccl";
   DeviceGuard guard(device);
-  const Deadline deadline = Deadline::after(timeout(o));
   // Creating NCCL fails alike on every rank and enqueues nothing: not sticky.
   if (is_nccl) ensureNccl(desc);
 
@@ -1089,8 +1103,7 @@ WorkPtr CudaCollectives::Impl::run(CollArgs a, cudaStream_t user, const CollOpti
         cudacoll::PendingOp op;
         op.setNames(name, algo->name);
         op.bytes = a.selectionBytes(size());
-        const bool p2p = a.coll == CollType::kSend || a.coll == CollType::kRecv;
-        op.op_seq = p2p ? -1 : static_cast<int64_t>(my_seq);  // as the host collectives
+        op.op_seq = my_seq;  // as the host collectives: collectives only, p2p -1
         op.enqueue_ns = issued_ns;
         slot = timer->begin(op, was_idle);
         if (group_depth > 0) tel_slot = slot;

@@ -1,11 +1,15 @@
 // CPU tests of the CUDA collectives path (no GPU needed): the cuda rows of the
 // selection table and their fallbacks, CROSSBAR_ALGO with CUDA names, the table
 // printout, clean failures of device-memory calls where CUDA cannot run (no
-// driver, or a build without CUDA), and the telemetry's pending-event ring. Ranks are forked processes, so the gtest
-// process never initializes CUDA.
+// driver, or a build without CUDA), the telemetry's pending-event ring, and the host
+// side of the mismatched-call check the CUDA path runs before it enqueues anything.
+// Ranks are forked processes, so the gtest process never initializes CUDA.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -13,6 +17,7 @@
 #include "collectives/cuda/op_timing.h"
 #include "collectives/cuda/route.h"
 #include "collectives/selection.h"
+#include "collectives/signature.h"
 #include "comm/errors.h"
 #include "harness/multiprocess.h"
 #include "telemetry/telemetry.h"
@@ -306,6 +311,217 @@ TEST(CudaOpTiming, RecorderFlushHooksFeedTheStep) {
   EXPECT_EQ(s.ops, 0u);
   EXPECT_EQ(s.dropped, 0u);
   rec.configure(telemetry::Config{});
+}
+
+// ---- mismatched-call check of the CUDA path (signature.h EnqueueCallCheck) ----------------
+// CudaCollectives::run() calls EnqueueCallCheck::beforeEnqueue() before any CUDA call
+// of an operation (tests/collectives_cuda/*_gpu checks it end to end). Here a stand-in
+// stream takes the CUDA part's place: a call is "enqueued" only once the check passed,
+// exactly as run() does, so the decisions are tested without a GPU.
+struct StandInStream {
+  EnqueueCallCheck check{callCheckModeFromEnv()};
+  std::vector<std::string> enqueued;
+  int64_t issue(const std::shared_ptr<Communicator>& comm, const CollArgs& a, Millis timeout = Millis(30'000)) {
+    const int64_t seq = check.beforeEnqueue(comm, a, Deadline::after(timeout));
+    enqueued.push_back(a.describe());
+    return seq;
+  }
+};
+
+CollArgs call(CollType c, size_t count, DataType t = DataType::kFloat32, ReduceOp op = ReduceOp::kSum,
+              int root = 0) {
+  CollArgs a = args(c, count, t);
+  a.op = op;
+  a.root = root;
+  return a;
+}
+
+// Expects InvalidUsage naming `peers` with every `needle`, nothing enqueued, and the same
+// report on every rank (through the store).
+void expectRefused(RankEnv& env, StandInStream& st, const std::string& name, const std::function<void()>& issue,
+                   const std::vector<std::string>& needles, const std::vector<int>& peers) {
+  auto comm = env.communicator();
+  const size_t before = st.enqueued.size();
+  std::string text;
+  try {
+    issue();
+    ADD_FAILURE() << name << ": no error on rank " << comm->rank();
+  } catch (const InvalidUsage& e) {
+    text = e.what();
+    EXPECT_EQ(e.peers(), peers) << name << ": " << text;
+  }
+  EXPECT_EQ(st.enqueued.size(), before) << name << ": enqueued despite the mismatch";
+  for (const auto& n : needles) EXPECT_NE(text.find(n), std::string::npos) << name << ": " << text;
+  EXPECT_NE(text.find("Nothing of this call was enqueued on any rank"), std::string::npos) << text;
+  const size_t at = std::min(text.find("ranks called"), text.find("alltoallv counts"));
+  const std::string report = at == std::string::npos ? text : text.substr(at);
+  env.store->set(fmt::format("{}/{}", name, comm->rank()), report);
+  for (int r = 0; r < comm->size(); ++r) {
+    Bytes b = env.store->get(fmt::format("{}/{}", name, r), Deadline::after(Millis(60'000)));
+    EXPECT_EQ(std::string(b.begin(), b.end()), report) << name << ": rank " << r << " reported otherwise";
+  }
+}
+
+// Every kind of mismatch, then a matching call: the same sequence number everywhere.
+void cudaCheckMatrix(RankEnv& env, bool pair_counts) {
+  auto comm = env.communicator();
+  const int me = comm->rank(), p = comm->size(), odd = p - 1;
+  StandInStream st;
+  EXPECT_EQ(st.issue(comm, call(CollType::kAllreduce, 64)), 0);
+  expectRefused(
+      env, st, "count", [&] { st.issue(comm, call(CollType::kAllreduce, me == odd ? 100 : 64)); },
+      {fmt::format("rank {} called allreduce of 100 x float sum (collective #1) (count 100 vs 64)", odd)},
+      {odd});
+  expectRefused(
+      env, st, "type",
+      [&] { st.issue(comm, call(CollType::kBroadcast, 16, me == odd ? DataType::kBFloat16 : DataType::kFloat32)); },
+      {"type bfloat16 vs float"}, {odd});
+  expectRefused(
+      env, st, "op",
+      [&] {
+        st.issue(comm, call(CollType::kReduceScatter, 8, DataType::kFloat32,
+                            me == odd ? ReduceOp::kMax : ReduceOp::kSum));
+      },
+      {"op max vs sum"}, {odd});
+  expectRefused(
+      env, st, "root",
+      [&] { st.issue(comm, call(CollType::kReduce, 8, DataType::kFloat32, ReduceOp::kSum, me == odd ? 1 : 0)); },
+      {"root 1 vs 0"}, {odd});
+  // Order: one rank issues a barrier where the others allgather (on a GPU: a stream
+  // waiting on signals the peers never send).
+  expectRefused(
+      env, st, "order",
+      [&] { st.issue(comm, me == odd ? call(CollType::kBarrier, 0) : call(CollType::kAllgather, 4)); },
+      {"collective barrier vs allgather (called in a different order"}, {odd});
+  if (pair_counts) {
+    // Rank 0 sends one element more to the last rank than it expects (within a node the
+    // cheap mode compares every pair; full mode everywhere).
+    CollArgs a = call(CollType::kAlltoallv, 0);
+    a.send_counts.assign(p, 2);
+    a.recv_counts.assign(p, 2);
+    a.send_displs.assign(p, 0);
+    a.recv_displs.assign(p, 0);
+    if (me == 0) a.send_counts[odd] = 3;
+    expectRefused(
+        env, st, "alltoallv", [&] { st.issue(comm, a); },
+        {fmt::format("rank 0 sends 3 elements to rank {}, which expects 2", odd)}, {0, odd});
+  }
+  // Unbalanced point-to-point takes no number; the next collective matches everywhere.
+  if (me == 0) {
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(st.issue(comm, call(CollType::kSend, 4)), -1);
+  }
+  const int64_t next = pair_counts ? 7 : 6;
+  EXPECT_EQ(st.issue(comm, call(CollType::kAllreduce, 64)), next);
+  EXPECT_EQ(st.check.collectivesChecked(), static_cast<uint64_t>(next + 1));
+  comm->barrier();
+}
+
+TEST(CudaCallCheck, MismatchesRaiseOnEveryRankBeforeEnqueue) {
+  for (int n : {2, 4}) {
+    SCOPED_TRACE(fmt::format("{} ranks", n));
+    runRanks(n, [](RankEnv& env) { cudaCheckMatrix(env, true); });
+  }
+}
+
+// Across (virtual) nodes: cheap mode compares hashes in log2(ranks) rounds (3 ranks: not
+// a power of two), full mode exchanges every call with its per-pair counts.
+TEST(CudaCallCheck, MismatchesRaiseAcrossNodesAndInFullMode) {
+  RunOptions o;
+  o.env["CROSSBAR_RANKS_PER_NODE"] = "1";
+  runRanks(
+      3,
+      [](RankEnv& env) {
+        ASSERT_EQ(env.communicator()->numNodes(), 3);
+        cudaCheckMatrix(env, false);
+      },
+      o);
+  o.env["CROSSBAR_CHECK_CALLS"] = "full";
+  runRanks(
+      3, [](RankEnv& env) { cudaCheckMatrix(env, true); }, o);
+}
+
+// Off: no exchange (NCCL's behaviour), but collectives are still numbered.
+TEST(CudaCallCheck, OffChecksNothingButStillNumbersCollectives) {
+  RunOptions o;
+  o.env["CROSSBAR_CHECK_CALLS"] = "off";
+  runRanks(
+      2,
+      [](RankEnv& env) {
+        auto comm = env.communicator();
+        StandInStream st;
+        EXPECT_EQ(st.check.mode(), CallCheckMode::kOff);
+        EXPECT_EQ(st.issue(comm, call(CollType::kAllreduce, comm->rank() == 1 ? 100 : 64)), 0);
+        EXPECT_EQ(st.issue(comm, call(CollType::kRecv, 4)), -1);
+        EXPECT_EQ(st.issue(comm, call(CollType::kBarrier, 0)), 1);
+        EXPECT_EQ(st.enqueued.size(), 3u);
+      },
+      o);
+}
+
+// A peer that never issues the call: Timeout naming it (bounded, nothing enqueued), and
+// since the peers' progress is then unknown, every later call fails at once.
+TEST(CudaCallCheck, MissingPeerTimesOutThenEveryCallFailsAtOnce) {
+  runRanks(2, [](RankEnv& env) {
+    auto comm = env.communicator();
+    StandInStream st;
+    EXPECT_EQ(st.issue(comm, call(CollType::kAllreduce, 8)), 0);  // creates the slots
+    if (comm->rank() == 0) {
+      try {
+        st.issue(comm, call(CollType::kAllreduce, 8), Millis(500));
+        ADD_FAILURE() << "no error";
+      } catch (const Timeout& e) {
+        EXPECT_EQ(e.peers(), std::vector<int>{1}) << e.what();
+      }
+      EXPECT_EQ(st.enqueued.size(), 1u);
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        st.issue(comm, call(CollType::kBroadcast, 8));
+        ADD_FAILURE() << "no error";
+      } catch (const InvalidUsage& e) {
+        EXPECT_NE(std::string(e.what()).find("ended without a verdict"), std::string::npos) << e.what();
+      }
+      EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10)) << "must not wait again";
+      EXPECT_EQ(st.issue(comm, call(CollType::kSend, 8)), -1);  // point-to-point is not checked
+    }
+    env.store->set(fmt::format("done/{}", comm->rank()), "1");
+    env.store->get(fmt::format("done/{}", 1 - comm->rank()), Deadline::after(Millis(60'000)));
+  });
+}
+
+// Cost per call of the check alone (what the CUDA path adds to each enqueue): a loop
+// of allreduce signatures per mode, modes interleaved over rounds, best round. Timing,
+// not a test: run on a quiet machine with
+//   build/bin/test_collectives_cuda --gtest_also_run_disabled_tests --gtest_filter='*CheckCost*'
+// (CROSSBAR_RANKS_PER_NODE=1 measures the across-nodes path.)
+TEST(CudaCallCheck, DISABLED_CheckCost) {
+  for (int n : {2, 4}) {
+    runRanks(n, [](RankEnv& env) {
+      auto comm = env.communicator();
+      const char* modes[] = {"off", "cheap", "full"};
+      double best[3] = {1e9, 1e9, 1e9};
+      for (int round = 0; round < 5; ++round) {
+        for (int m = 0; m < 3; ++m) {
+          setenv("CROSSBAR_CHECK_CALLS", modes[m], 1);
+          StandInStream st;
+          const CollArgs a = call(CollType::kAllreduce, 1 << 20, DataType::kBFloat16);
+          for (int i = 0; i < 100; ++i) st.check.beforeEnqueue(comm, a, Deadline::after(Millis(30'000)));
+          comm->barrier();
+          const int iters = 2000;
+          auto t0 = std::chrono::steady_clock::now();
+          for (int i = 0; i < iters; ++i) st.check.beforeEnqueue(comm, a, Deadline::after(Millis(30'000)));
+          const double us =
+              std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
+          best[m] = std::min(best[m], us);
+          comm->barrier();
+        }
+      }
+      if (comm->rank() == 0)
+        for (int m = 0; m < 3; ++m)
+          fmt::print("ranks {} nodes {} check {:5}: {:7.2f} us per call (best of 5 rounds of 2000)\n",
+                     comm->size(), comm->numNodes(), modes[m], best[m]);
+      comm->destroy();
+    });
+  }
 }
 
 }  // namespace
