@@ -9,11 +9,13 @@
 // bit-identical results, and nothing needs normalizing afterwards.
 #include <fmt/format.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "collectives/algorithms.h"
+#include "collectives/cma.h"
 #include "collectives/reduce.h"
 #include "collectives/symm_staging.h"
 #include "comm/env.h"
@@ -48,11 +50,76 @@ SymmStaging::SymmStaging(std::shared_ptr<Communicator> comm, size_t bytes, size_
   o.name = "coll";
   o.remote_access = false;  // intra-node only: what crosses nodes goes over point-to-point
   heap_ = symm::SymmetricHeap::create(comm_, o);
-  buf_ = heap_.allocate(2 * half_);
+  const size_t meta_bytes = roundUp(sizeof(MetaHeader) + sizeof(MetaEntry) * size_, 4096);
+  buf_ = heap_.allocate(2 * half_ + meta_bytes);
   owed_.resize(size_);
   seen_.assign(static_cast<size_t>(kChannels) * size_, 0);
-  CB_INFO("coll", "{}: symmetric staging of 2 x {} bytes per rank, chunks of up to {} bytes", comm_->name(),
-          half_, chunk_);
+  probeCma();
+  CB_INFO("coll", "{}: symmetric staging of 2 x {} bytes per rank, chunks of up to {} bytes; single copy {}",
+          comm_->name(), half_, chunk_, cma_ ? "(CMA) on" : "off: " + cma_reason_);
+}
+
+SymmStaging::MetaHeader* SymmStaging::meta(int rank) const {
+  return reinterpret_cast<MetaHeader*>(static_cast<char*>(buf_->peerPtr(rank)) + 2 * half_);
+}
+
+// Every rank probes every peer (one read of a token it published), then all agree: a
+// single failure anywhere turns single copy off everywhere, so ranks never disagree
+// on an operation's protocol.
+void SymmStaging::probeCma() {
+  std::string why;
+  if (env::getEnum("CROSSBAR_COLL_CMA") == "off") why = "CROSSBAR_COLL_CMA=off";
+  if (why.empty()) why = cma::allowPeerReads();
+  token_ = 0x9E3779B97F4A7C15ull ^ (static_cast<uint64_t>(getpid()) << 20) ^ reinterpret_cast<uintptr_t>(this);
+  MetaHeader* me = meta(rank_);
+  me->pid = static_cast<uint64_t>(getpid());
+  me->token_addr = reinterpret_cast<uintptr_t>(&token_);
+  me->token = token_;
+  me->probe_ok = 0;
+  const Deadline deadline = Deadline::after(comm_->timeout());
+  notifyAll(kAddr);
+  waitAll(kAddr, deadline);
+  pids_.assign(size_, 0);
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_) continue;
+    const MetaHeader* m = meta(q);
+    pids_[q] = static_cast<int64_t>(m->pid);
+    if (why.empty())
+      why = cma::probe(static_cast<pid_t>(m->pid), reinterpret_cast<const void*>(m->token_addr), m->token, q);
+  }
+  me->probe_ok = why.empty() ? 1 : 2;
+  notifyAll(kDone);
+  waitAll(kDone, deadline);
+  for (int q = 0; q < size_ && why.empty(); ++q)
+    if (meta(q)->probe_ok != 1) why = fmt::format("rank {} cannot read its peers' memory (its INFO log says why)", q);
+  cma_ = why.empty();
+  cma_reason_ = why;
+}
+
+void SymmStaging::post(int reader, const void* addr, size_t bytes) {
+  MetaEntry* e = entry(rank_, reader);
+  e->addr = reinterpret_cast<uintptr_t>(addr);
+  e->bytes = bytes;
+  buf_->putSignal(reader, kAddr);
+}
+
+void SymmStaging::readPosted(int owner, void* dst, size_t bytes, Deadline deadline, const char* op) {
+  wait(owner, kAddr, deadline);
+  const MetaEntry* e = entry(owner, rank_);
+  const uint64_t addr = e->addr, offered = e->bytes;
+  // DONE even when the read fails, so the owner is not left waiting out its deadline.
+  struct Done {
+    SymmStaging* s;
+    int owner;
+    ~Done() { s->buf_->putSignal(owner, kDone); }
+  } done{this, owner};
+  if (offered != bytes)
+    throw InvalidUsage(fmt::format("{}rank {} sends {} bytes to this rank, which expects {}; do the counts match "
+                                   "on every rank?",
+                                   errorContext(rank_, op), owner, offered, bytes),
+                       {owner});
+  if (bytes)
+    cma::read(static_cast<pid_t>(pids_[owner]), dst, reinterpret_cast<const void*>(addr), bytes, rank_, owner, op);
 }
 
 void SymmStaging::wait(int peer, int channel, Deadline deadline) {
@@ -513,6 +580,112 @@ void alltoallvSymm(const CollArgs& a, RunContext& x) {
   exchangeSymm(a, x, a.send_counts.data(), a.send_displs.data(), a.recv_counts.data(), a.recv_displs.data());
 }
 
+// ---- single copy (CMA) -----------------------------------------------------------------
+
+// Readers copy straight from the owner's user buffer (SymmStaging::post/readPosted):
+// one copy per byte instead of two, and no chunking. Each falls back to its staged
+// algorithm when single copy is off; that is agreed by every rank when the staging is
+// created, so all ranks always take the same path. Every rank posts before it reads,
+// and waits for its readers last (the caller may then reuse its buffers).
+
+void allgatherCma(const CollArgs& a, RunContext& x) {
+  SymmStaging& s = staging(*x.comm, x);
+  if (!s.cma()) return allgatherSymm(a, x);
+  const int p = s.size(), r = s.rank();
+  const size_t blk = a.count * elementSize(a.type);
+  for (int q = 0; q < p; ++q)
+    if (q != r) s.post(q, a.send, blk);
+  if (ccp(a.send) != cp(a.recv) + r * blk) std::memcpy(cp(a.recv) + r * blk, a.send, blk);
+  for (int i = 1; i < p; ++i) {
+    const int q = (r + i) % p;
+    s.readPosted(q, cp(a.recv) + q * blk, blk, x.deadline, "allgather");
+  }
+  for (int q = 0; q < p; ++q)
+    if (q != r) s.waitReader(q, x.deadline);
+}
+
+void exchangeCma(const CollArgs& a, RunContext& x, const size_t* scnt, const size_t* sdsp, const size_t* rcnt,
+                 const size_t* rdsp, const char* op) {
+  SymmStaging& s = staging(*x.comm, x);
+  const int p = s.size(), r = s.rank();
+  const size_t es = elementSize(a.type);
+  const char* in = ccp(a.send);
+  char* out = cp(a.recv);
+  if (a.send == a.recv) {
+    // In place (identical counts and displacements): peers must not read blocks this
+    // rank overwrites meanwhile, so they read a copy; the own block is already in place.
+    size_t extent = 0;
+    for (int q = 0; q < p; ++q) extent = std::max(extent, (sdsp[q] + scnt[q]) * es);
+    char* copy = x.scratch->get(0, extent);
+    std::memcpy(copy, in, extent);
+    in = copy;
+  }
+  for (int q = 0; q < p; ++q)
+    if (q != r) s.post(q, in + sdsp[q] * es, scnt[q] * es);
+  if (a.send != a.recv) std::memcpy(out + rdsp[r] * es, in + sdsp[r] * es, scnt[r] * es);
+  for (int i = 1; i < p; ++i) {
+    const int q = (r + i) % p;
+    s.readPosted(q, out + rdsp[q] * es, rcnt[q] * es, x.deadline, op);
+  }
+  for (int q = 0; q < p; ++q)
+    if (q != r) s.waitReader(q, x.deadline);
+}
+
+void alltoallCma(const CollArgs& a, RunContext& x) {
+  if (!staging(*x.comm, x).cma()) return alltoallSymm(a, x);
+  const int p = x.comm->size();
+  std::vector<size_t> cnt(p, a.count), dsp(p);
+  for (int i = 0; i < p; ++i) dsp[i] = a.count * i;
+  exchangeCma(a, x, cnt.data(), dsp.data(), cnt.data(), dsp.data(), "alltoall");
+}
+
+void alltoallvCma(const CollArgs& a, RunContext& x) {
+  if (!staging(*x.comm, x).cma()) return alltoallvSymm(a, x);
+  exchangeCma(a, x, a.send_counts.data(), a.send_displs.data(), a.recv_counts.data(), a.recv_displs.data(),
+              "alltoallv");
+}
+
+void broadcastCma(const CollArgs& a, RunContext& x) {
+  SymmStaging& s = staging(*x.comm, x);
+  if (!s.cma()) return broadcastSymm(a, x);
+  const int p = s.size(), r = s.rank();
+  const size_t bytes = a.count * elementSize(a.type);
+  if (r != a.root) return s.readPosted(a.root, a.recv, bytes, x.deadline, "broadcast");
+  for (int q = 0; q < p; ++q)
+    if (q != r) s.post(q, a.recv, bytes);
+  for (int q = 0; q < p; ++q)
+    if (q != r) s.waitReader(q, x.deadline);
+}
+
+void gatherCma(const CollArgs& a, RunContext& x) {
+  SymmStaging& s = staging(*x.comm, x);
+  if (!s.cma()) return gatherSymm(a, x);
+  const int p = s.size(), r = s.rank();
+  const size_t blk = a.count * elementSize(a.type);
+  if (r != a.root) {
+    s.post(a.root, a.send, blk);
+    return s.waitReader(a.root, x.deadline);
+  }
+  copyOut(cp(a.recv) + r * blk, a.send, blk, false);
+  for (int i = 1; i < p; ++i) {
+    const int q = (r + i) % p;
+    s.readPosted(q, cp(a.recv) + q * blk, blk, x.deadline, "gather");
+  }
+}
+
+void scatterCma(const CollArgs& a, RunContext& x) {
+  SymmStaging& s = staging(*x.comm, x);
+  if (!s.cma()) return scatterSymm(a, x);
+  const int p = s.size(), r = s.rank();
+  const size_t blk = a.count * elementSize(a.type);
+  if (r != a.root) return s.readPosted(a.root, a.recv, blk, x.deadline, "scatter");
+  for (int q = 0; q < p; ++q)
+    if (q != r) s.post(q, ccp(a.send) + q * blk, blk);
+  copyOut(a.recv, ccp(a.send) + r * blk, blk, false);
+  for (int q = 0; q < p; ++q)
+    if (q != r) s.waitReader(q, x.deadline);
+}
+
 // ---- applicability -------------------------------------------------------------------
 
 std::string symmDisabled() {
@@ -539,10 +712,10 @@ std::string multiNode(const CollArgs&, const Communicator& c) {
 }  // namespace
 
 void registerSymmAlgorithms(std::deque<Algorithm>& out) {
-  auto add = [&](CollType coll, const char* name, const char* summary, auto run,
+  auto add = [&](CollType coll, const char* name, std::string summary, auto run,
                  std::function<std::string(const CollArgs&, const Communicator&)> applies = singleNode,
                  bool needs_hier = false) {
-    out.push_back(Algorithm{coll, name, summary, std::move(applies), run, needs_hier});
+    out.push_back(Algorithm{coll, name, std::move(summary), std::move(applies), run, needs_hier});
   };
   add(CollType::kAllreduce, "oneshot",
       "symmetric memory: stage, every rank reduces all peers' chunks (small)", allreduceOneShot);
@@ -563,6 +736,15 @@ void registerSymmAlgorithms(std::deque<Algorithm>& out) {
   add(CollType::kAlltoallv, "symm", "symmetric memory: per-destination slices, pairwise round counts",
       alltoallvSymm);
   add(CollType::kGather, "symm", "symmetric memory: ranks stage, root copies out", gatherSymm);
+  const char* staged = "; staged symm if CMA is unavailable";
+  auto cmaSummary = [&](const char* what) { return std::string("single copy (process_vm_readv): ") + what + staged; };
+  add(CollType::kAllgather, "cma", cmaSummary("every rank reads each peer's user buffer"), allgatherCma);
+  add(CollType::kAlltoall, "cma", cmaSummary("every rank reads its block from each peer"), alltoallCma);
+  add(CollType::kAlltoallv, "cma", cmaSummary("every rank reads its block from each peer"), alltoallvCma);
+  add(CollType::kBroadcast, "cma", cmaSummary("every rank reads the root's buffer"), broadcastCma);
+  add(CollType::kGather, "cma", cmaSummary("the root reads every rank's buffer"), gatherCma);
+  add(CollType::kScatter, "cma", cmaSummary("every rank reads its block from the root"), scatterCma);
+
   add(CollType::kScatter, "symm", "symmetric memory: root stages per-rank slices, ranks copy out",
       scatterSymm);
 }

@@ -11,6 +11,13 @@
 // pays no trailing synchronization, the next use of the same half does.
 // Chunk k of an operation uses half (base + k) % 2 where `base` advances by the same
 // amount on every rank (operations run in the same order everywhere).
+//
+// Single copy (CMA, cma.h): when every rank can read its peers' memory (probed once, at
+// creation, and agreed by all), an owner posts the address of its *user* buffer in its
+// metadata slot (post: ADDR signal) and readers copy straight from it with
+// process_vm_readv (readPosted: DONE signal back). The owner waits for every reader's
+// DONE before its operation completes (waitReaders), so the caller may reuse the
+// buffer as soon as the Work completes; the slot is then free for the next operation.
 #pragma once
 
 #include <cstddef>
@@ -20,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "collectives/algorithms.h"
@@ -35,7 +43,9 @@ class SymmStaging {
   static constexpr int kReady = 0;    // owner -> reader: the chunk is in the owner's half
   static constexpr int kReduced = 1;  // owner -> reader: second-phase data (two-shot) is ready
   static constexpr int kFree = 2;     // reader -> owner: done reading the owner's half
-  static constexpr int kChannels = 3;
+  static constexpr int kAddr = 3;     // owner -> reader: user-buffer address posted (CMA)
+  static constexpr int kDone = 4;     // reader -> owner: done reading the owner's user buffer
+  static constexpr int kChannels = 5;
 
   // Collective over `comm` (every rank at the same point of its operation sequence).
   SymmStaging(std::shared_ptr<Communicator> comm, size_t bytes, size_t chunk);
@@ -66,7 +76,30 @@ class SymmStaging {
   void waitAll(int channel, Deadline deadline);
   void releaseAll();
 
+  // Single copy. cma(): every rank of the communicator can read every peer (agreed).
+  bool cma() const { return cma_; }
+  const std::string& cmaReason() const { return cma_reason_; }  // why not ("" if cma())
+  // Owner: `reader` may read [addr, addr + bytes) of this process (ADDR signal).
+  void post(int reader, const void* addr, size_t bytes);
+  // Reader: waits for `owner`'s post, copies it to `dst` (its size must be `bytes`),
+  // then signals DONE. `op` names the operation in errors.
+  void readPosted(int owner, void* dst, size_t bytes, Deadline deadline, const char* op);
+  // Owner: waits for DONE from `reader` (one per post to it).
+  void waitReader(int reader, Deadline deadline) { wait(reader, kDone, deadline); }
+
  private:
+  struct MetaHeader {
+    uint64_t pid, token_addr, token, probe_ok;
+  };
+  struct MetaEntry {
+    uint64_t addr, bytes;
+  };
+  MetaHeader* meta(int rank) const;
+  MetaEntry* entry(int owner, int reader) const {
+    return reinterpret_cast<MetaEntry*>(meta(owner) + 1) + reader;
+  }
+  void probeCma();
+
   std::shared_ptr<Communicator> comm_;
   symm::SymmetricHeap heap_;
   std::shared_ptr<symm::SymmetricBuffer> buf_;
@@ -75,6 +108,10 @@ class SymmStaging {
   uint64_t base_ = 0;
   std::vector<std::deque<uint8_t>> owed_;  // by reader: halves it still has to release, oldest first
   std::vector<uint64_t> seen_;             // [channel * size + peer]: signals consumed so far
+  bool cma_ = false;
+  std::string cma_reason_;
+  std::vector<int64_t> pids_;  // by rank (CMA)
+  uint64_t token_ = 0;         // read by peers in the probe
 };
 
 // The staging areas of one Collectives, by communicator (the whole one, or the

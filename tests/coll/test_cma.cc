@@ -1,0 +1,195 @@
+// Single-copy (CMA) host collectives: the probe's failure reports, the fallback decision
+// (agreed by every rank, data still right on the staged path), the selection table, and
+// that a buffer may be reused as soon as its collective completes (no reader is still
+// copying from it). The full type x size x in-place matrix of the "cma" algorithms runs
+// in test_collectives (every registered algorithm).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "collectives/algorithms.h"
+#include "collectives/cma.h"
+#include "collectives/collectives.h"
+#include "collectives/selection.h"
+#include "collectives/symm_staging.h"
+#include "harness/multiprocess.h"
+
+using namespace crossbar;
+using crossbar::testing::RankEnv;
+using crossbar::testing::RunOptions;
+using crossbar::testing::runRanks;
+
+namespace {
+
+uint8_t byteOf(int iter, int rank, size_t i) {
+  return static_cast<uint8_t>(iter * 131 + rank * 29 + i * 7 + (i >> 9));
+}
+
+void fill(std::vector<uint8_t>& v, int iter, int rank, size_t first = 0) {
+  for (size_t i = 0; i < v.size(); ++i) v[i] = byteOf(iter, rank, first + i);
+}
+
+// First index where `got` differs from rank `rank`'s bytes of iteration `iter`, or -1.
+long firstWrong(const uint8_t* got, size_t n, int iter, int rank, size_t first = 0) {
+  for (size_t i = 0; i < n; ++i)
+    if (got[i] != byteOf(iter, rank, first + i)) return static_cast<long>(i);
+  return -1;
+}
+
+}  // namespace
+
+TEST(Cma, ProbeReportsWhyItFails) {
+  uint64_t token = 0x1234567890abcdefull;
+  EXPECT_EQ(cma::probe(getpid(), &token, token, 0), "");
+  std::string wrong = cma::probe(getpid(), &token, token + 1, 3);
+  EXPECT_NE(wrong.find("rank 3"), std::string::npos) << wrong;
+  EXPECT_NE(wrong.find("other data"), std::string::npos) << wrong;
+  std::string bad_addr = cma::probe(getpid(), reinterpret_cast<const void*>(8), token, 1);
+  EXPECT_NE(bad_addr.find("failed"), std::string::npos) << bad_addr;
+  // A process that no longer exists.
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  std::string gone = cma::probe(child, &token, token, 2);
+  EXPECT_NE(gone.find("failed"), std::string::npos) << gone;
+  // read() names the operation and the peer.
+  char dst[8];
+  try {
+    cma::read(child, dst, &token, sizeof dst, 0, 2, "allgather");
+    ADD_FAILURE() << "read from an exited process succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kSystemError);
+    EXPECT_NE(std::string(e.what()).find("rank 2"), std::string::npos) << e.what();
+  }
+}
+
+// Runs one of each single-copy collective (forced "cma") and checks the data.
+void runCmaCollectives(Collectives& coll, Communicator& comm, size_t n, int iter) {
+  const int p = comm.size(), r = comm.rank();
+  CollOptions o;
+  o.algorithm = "cma";
+  std::vector<uint8_t> send(n * p), recv(n * p);
+  fill(send, iter, r);
+  coll.allgather(send.data(), recv.data(), n, DataType::kUInt8, o)->wait();
+  for (int q = 0; q < p; ++q)
+    EXPECT_EQ(firstWrong(recv.data() + q * n, n, iter, q), -1) << "allgather block " << q;
+  coll.alltoall(send.data(), recv.data(), n, DataType::kUInt8, o)->wait();
+  for (int q = 0; q < p; ++q)
+    EXPECT_EQ(firstWrong(recv.data() + q * n, n, iter, q, r * n), -1) << "alltoall block " << q;
+  std::vector<size_t> cnt(p), dsp(p);
+  for (int q = 0; q < p; ++q) {
+    cnt[q] = n / (q + 1);
+    dsp[q] = q * n;
+  }
+  // Rank q sends n/(r+1) bytes to rank r (what r expects from everyone).
+  std::vector<size_t> scnt(p);
+  for (int q = 0; q < p; ++q) scnt[q] = n / (q + 1);
+  std::vector<size_t> rcnt(p, n / (r + 1));
+  coll.alltoallv(send.data(), scnt, dsp, recv.data(), rcnt, dsp, DataType::kUInt8, o)->wait();
+  for (int q = 0; q < p; ++q)
+    EXPECT_EQ(firstWrong(recv.data() + q * n, rcnt[q], iter, q, r * n), -1) << "alltoallv block " << q;
+  const int root = iter % p;
+  std::vector<uint8_t> b(n);
+  if (r == root) fill(b, iter, root);
+  coll.broadcast(b.data(), n, DataType::kUInt8, root, o)->wait();
+  EXPECT_EQ(firstWrong(b.data(), n, iter, root), -1) << "broadcast";
+  std::vector<uint8_t> mine(n);
+  fill(mine, iter, r);
+  coll.gather(mine.data(), recv.data(), n, root, DataType::kUInt8, o)->wait();
+  if (r == root)
+    for (int q = 0; q < p; ++q) EXPECT_EQ(firstWrong(recv.data() + q * n, n, iter, q), -1) << "gather " << q;
+  coll.scatter(send.data(), mine.data(), n, root, DataType::kUInt8, o)->wait();
+  EXPECT_EQ(firstWrong(mine.data(), n, iter, root, r * n), -1) << "scatter";
+}
+
+// One rank turns single copy off: every rank must agree on the staged path (a rank
+// on the other protocol would hang), and the "cma" algorithms still deliver the data.
+TEST(Cma, FallbackIsAgreedByEveryRank) {
+  RunOptions opts;
+  opts.env["CROSSBAR_COLL_SYMM_BYTES"] = "64K";
+  opts.env["CROSSBAR_TIMEOUT"] = "60s";
+  runRanks(3, [](RankEnv& env) {
+    auto comm = env.communicator();
+    if (comm->rank() == 1) setenv("CROSSBAR_COLL_CMA", "off", 1);
+    SymmStaging s(comm, 64 * 1024, 16 * 1024);
+    EXPECT_FALSE(s.cma());
+    const std::string want = comm->rank() == 1 ? "CROSSBAR_COLL_CMA=off" : "rank 1";
+    EXPECT_NE(s.cmaReason().find(want), std::string::npos) << s.cmaReason();
+    Collectives coll(comm);
+    for (size_t n : {size_t{1}, size_t{4099}, size_t{70001}}) runCmaCollectives(coll, *comm, n, static_cast<int>(n));
+    comm->destroy();
+  }, opts);
+}
+
+// Every rank on auto: all agree (single copy on wherever the kernel allows it), the
+// table picks "cma" for large data movement and "symm" for small, and the data is right.
+TEST(Cma, AutoIsAgreedAndSelected) {
+  RunOptions opts;
+  opts.env["CROSSBAR_COLL_CMA"] = "auto";
+  opts.env["CROSSBAR_TIMEOUT"] = "60s";
+  runRanks(2, [](RankEnv& env) {
+    auto comm = env.communicator();
+    SymmStaging s(comm, 64 * 1024, 16 * 1024);
+    std::vector<uint8_t> mine{static_cast<uint8_t>(s.cma())}, all(2);
+    Collectives coll(comm);
+    CollOptions o;
+    o.algorithm = "direct";  // point-to-point: independent of what is being tested
+    coll.gather(mine.data(), all.data(), 1, 0, DataType::kUInt8, o)->wait();
+    if (comm->rank() == 0) EXPECT_EQ(all[0], all[1]) << "ranks disagree on single copy: " << s.cmaReason();
+    EXPECT_EQ(s.cma(), s.cmaReason().empty()) << s.cmaReason();
+    auto pick = [&](CollType c, size_t count) {
+      return selectAlgorithm(CollArgs::of(c, nullptr, nullptr, count, DataType::kUInt8), *comm, "", AlgoOverride{})
+          .algorithm->name;
+    };
+    EXPECT_EQ(pick(CollType::kAllgather, 1 << 20), "cma");
+    EXPECT_EQ(pick(CollType::kAlltoall, 1 << 20), "cma");
+    EXPECT_EQ(pick(CollType::kAllgather, 64), "symm");
+    runCmaCollectives(coll, *comm, 100003, 1);
+    comm->destroy();
+  }, opts);
+}
+
+// The caller overwrites its buffers the moment each collective completes; a reader
+// still copying from them would see the next iteration's (or garbage) bytes. Rank 0
+// lags behind by turns, so readers and owners are out of step.
+TEST(Cma, BuffersReusableRightAfterCompletion) {
+  RunOptions opts;
+  opts.env["CROSSBAR_TIMEOUT"] = "60s";
+  runRanks(3, [](RankEnv& env) {
+    auto comm = env.communicator();
+    const int p = comm->size(), r = comm->rank();
+    Collectives coll(comm);
+    CollOptions o;
+    o.algorithm = "cma";
+    const size_t n = 1 << 20;
+    std::vector<uint8_t> send(n * p), recv(n * p);
+    for (int iter = 0; iter < 12; ++iter) {
+      if (r == iter % p) usleep(2000);
+      fill(send, iter, r);
+      if (iter % 2 == 0)
+        coll.allgather(send.data(), recv.data(), n, DataType::kUInt8, o)->wait();
+      else
+        coll.alltoall(send.data(), recv.data(), n, DataType::kUInt8, o)->wait();
+      std::memset(send.data(), 0xA5, send.size());  // reuse at once
+      for (int q = 0; q < p; ++q) {
+        long bad = firstWrong(recv.data() + q * n, n, iter, q, iter % 2 ? r * n : 0);
+        ASSERT_EQ(bad, -1) << "iteration " << iter << ": block of rank " << q << " wrong at byte " << bad;
+      }
+      // Broadcast: the root overwrites its buffer at once, then broadcasts again.
+      std::vector<uint8_t>& b = recv;
+      const int root = iter % p;
+      if (r == root) fill(b, iter, root);
+      coll.broadcast(b.data(), n, DataType::kUInt8, root, o)->wait();
+      if (r == root) std::memset(b.data(), 0x5A, n);
+      else ASSERT_EQ(firstWrong(b.data(), n, iter, root), -1) << "broadcast, iteration " << iter;
+    }
+    comm->destroy();
+  }, opts);
+}
