@@ -12,7 +12,7 @@
 //   moe_netns_bench [--nodes 2] [--ranks-per-node 2] [--tokens 512] [--hidden 7168]
 //                   [--experts 256] [--topk 8] [--max-nodes M] [--formats native,fp8]
 //                   [--rate auto|<tc rate, e.g. 2gbit>] [--iters 5] [--warmup 1]
-//                   [--combine-wire bf16|f32] [--no-netns]
+//                   [--combine-wire bf16|f32] [--no-netns] [--phases]
 //
 // Every run first checks that both paths deliver the same tokens (bit for bit) and the same
 // combine sums (f32 tolerance); a mismatch exits 1. Times are the slowest rank's mean.
@@ -53,6 +53,7 @@ struct Options {
   std::string rate = "auto";
   DataType combine_wire = DataType::kBFloat16;  // two-level combine's partials on the network
   bool netns = true;
+  bool phases = false;  // print where the two-level time goes (MoeMetrics::phases)
   std::vector<PayloadFormat> formats{PayloadFormat::kNative, PayloadFormat::kFp8};
 };
 
@@ -372,6 +373,20 @@ class FlatAllToAll {
 
 // ---------------------------------------------------------------- the benchmark
 
+// Phases of MoeBuffer's dispatch / combine (MoeMetrics::phases), in call order.
+const std::vector<const char*> kDispatchPhases{"layout",     "encode",     "post",  "wait ack",
+                                               "forward",    "wait net",   "wait sends", "wait local",
+                                               "order",      "decode",     "expert major"};
+const std::vector<const char*> kCombinePhases{"wait ack", "write",    "post", "wait local",
+                                              "reduce",   "wait net", "sum",  "wait sends"};
+
+void addPhases(const MoeMetrics& m, const std::vector<const char*>& names, std::vector<double>& acc) {
+  acc.resize(names.size(), 0.0);
+  for (const auto& [name, s] : m.phases)
+    for (size_t i = 0; i < names.size(); ++i)
+      if (std::strcmp(names[i], name) == 0) acc[i] += s;
+}
+
 double expertScale(int64_t e) {
   return 1.0 + static_cast<double>(e % 5) / 8.0;
 }
@@ -492,6 +507,7 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     }
     double t[4] = {0, 0, 0, 0};
     double net2 = 0, netf = 0;
+    std::vector<double> disp_phases, comb_phases;
     for (int it = 0; it < o.warmup + o.iters; ++it) {
       const bool timed = it >= o.warmup;
       comm->barrier();
@@ -522,10 +538,27 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
       t[1] += sec(t2, t3);
       t[2] += sec(t4, t5) + sec(t6, t6b);  // decoding belongs to the flat dispatch
       t[3] += sec(t6b, t7);
+      addPhases(d.metrics, kDispatchPhases, disp_phases);
+      addPhases(c.metrics, kCombinePhases, comb_phases);
       net2 = static_cast<double>(d.metrics.inter_node_bytes + c.metrics.inter_node_bytes);
       netf = static_cast<double>(flat_disp_bytes + flat.networkBytes());
     }
     for (double& v : t) v = maxOf(v / o.iters) * 1e3;
+    if (o.phases) {
+      // Slowest rank's mean per phase: where the two-level time goes.
+      auto line = [&](const char* what, const std::vector<const char*>& names, std::vector<double>& acc) {
+        std::string s = fmt::format("#   {} 2l {}:", f == PayloadFormat::kNative ? "bf16" : payloadFormatName(f),
+                                    what);
+        acc.resize(names.size(), 0.0);
+        for (size_t i = 0; i < names.size(); ++i) {
+          const double v = maxOf(acc[i] / o.iters) * 1e3;
+          if (v >= 0.05) s += fmt::format(" {} {:.1f}", names[i], v);
+        }
+        print(s + " (ms, slowest rank per phase)\n");
+      };
+      line("dispatch", kDispatchPhases, disp_phases);
+      line("combine", kCombinePhases, comb_phases);
+    }
     net2 = sumOf(net2) / R / 1e6;
     netf = sumOf(netf) / R / 1e6;
     const double two = t[0] + t[1], fl = t[2] + t[3];
@@ -599,6 +632,8 @@ int main(int argc, char** argv) {
         o.combine_wire = w == "f32" ? DataType::kFloat32 : DataType::kBFloat16;
       } else if (a == "--no-netns")
         o.netns = false;
+      else if (a == "--phases")
+        o.phases = true;
       else if (a == "--formats") {
         o.formats.clear();
         for (auto& s : split(next())) {
@@ -615,7 +650,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr,
                      "usage: %s [--nodes N] [--ranks-per-node L] [--tokens T] [--hidden H] [--experts E] "
                      "[--topk k] [--max-nodes M] [--formats bf16,fp8,mxfp8] [--rate auto|2gbit] [--iters n] "
-                     "[--warmup n] [--combine-wire bf16|f32] [--no-netns]\n",
+                     "[--warmup n] [--combine-wire bf16|f32] [--no-netns] [--phases]\n",
                      argv[0]);
         return a == "--help" || a == "-h" ? 0 : 2;
       }

@@ -11,14 +11,18 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <map>
 #include <numeric>
+#include <thread>
 
 #include "collectives/float_types.h"
 #include "comm/env.h"
 #include "comm/errors.h"
 #include "comm/log.h"
+#include "comm/progress.h"
 #include "symmem/symmetric_heap.h"
 
 namespace crossbar::moe {
@@ -80,6 +84,15 @@ constexpr size_t kMaxChunks = 0xFFFF;
 size_t dispatchChunks(size_t rows, size_t chunk) {
   return std::max<size_t>(1, (rows + chunk - 1) / chunk);
 }
+// Data messages of a dispatch to one node (the header is a message of its own).
+size_t dataChunks(size_t rows, size_t chunk) {
+  return (rows + chunk - 1) / chunk;
+}
+// A dispatch slot (one per forwarder in each rank's buffer) starts with a header:
+// [rows written so far][state][rows per source node x N], then the rows. State: the
+// forwarder's signals this call (low 32 bits) and these flags.
+constexpr uint64_t kSlotCounts = uint64_t{1} << 32;  // rows per source node are filled in
+constexpr uint64_t kSlotFinal = uint64_t{1} << 33;   // every row is in
 enum Channel { kDispatchData = 0, kDispatchAck = 1, kCombineData = 2, kCombineAck = 3, kNumChannels = 4 };
 
 // There is no progress thread: the CPU drives pending network requests between rows.
@@ -99,6 +112,28 @@ struct RowHeader {
 };
 static_assert(sizeof(RowHeader) == 16);
 
+// Accumulates wall time per named phase into MoeMetrics::phases: lap(name) charges the time
+// since the previous lap to `name`.
+class PhaseClock {
+ public:
+  explicit PhaseClock(std::vector<std::pair<const char*, double>>& out) : out_(out) {}
+  void lap(const char* name) {
+    const auto now = std::chrono::steady_clock::now();
+    const double s = std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    for (auto& p : out_)
+      if (std::strcmp(p.first, name) == 0) {
+        p.second += s;
+        return;
+      }
+    out_.emplace_back(name, s);
+  }
+
+ private:
+  std::vector<std::pair<const char*, double>>& out_;
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+};
+
 float loadAsFloat(const void* row, DataType t, size_t h) {
   return t == DataType::kFloat32 ? static_cast<const float*>(row)[h]
                                  : static_cast<const BFloat16*>(row)[h].toFloat();
@@ -115,7 +150,8 @@ struct MoeBuffer::Impl {
   std::vector<int> local_of;                 // rank -> local index in its node
   size_t es = 2;                             // element size of cfg.dtype
   size_t off_topk = 0, off_w = 0, off_scales = 0, off_payload = 0, scale_bytes = 0, payload_bytes = 0;
-  size_t row = 0, fmax = 0, dslot = 0, cslot = 0;
+  size_t row = 0, fmax = 0, dslot = 0, cslot = 0, slot_hdr = 16;
+  std::vector<uint64_t> dsig_base;  // [local j]: dispatch-data signals forwarder j sent before this call
   size_t chunk = 1;          // rows per network chunk
   std::vector<uint8_t> enc;  // this call's encoded tokens
   symm::SymmetricHeap heap;
@@ -217,7 +253,9 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
     im->chunk = ct == 0 ? cfg.max_tokens : std::min<size_t>(static_cast<size_t>(ct), cfg.max_tokens);
     im->chunk = std::max(im->chunk, (cfg.max_tokens + kMaxChunks - 1) / kMaxChunks);
   }
-  im->dslot = 16 + im->fmax * im->row;
+  im->slot_hdr = align16(16 + 8 * static_cast<size_t>(im->N));
+  im->dslot = im->slot_hdr + im->fmax * im->row;
+  im->dsig_base.assign(im->L, 0);
   im->cslot = im->fmax * cfg.hidden * sizeof(float);
 
   symm::HeapOptions ho;
@@ -336,6 +374,8 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     throw InvalidArgument(
         im.ctx(op) + fmt::format("the cached handle was made for {} tokens, not {}", cached->tokens, tokens));
 
+  DispatchResult res;
+  PhaseClock clk(res.metrics.phases);
   auto h = std::make_shared<MoeHandle>();
   h->owner = this;
   h->tokens = tokens;
@@ -357,7 +397,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   }
   const Deadline dl = im.deadline();
   const uint32_t tag = im.opTag();
-  DispatchResult res;
+  clk.lap("layout");
 
   // nvfp4's per-tensor scale covers this rank's whole x.
   float gscale = 1.0f;
@@ -384,54 +424,79 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     return p;
   };
 
-  // 1. network, chunk-major: chunk c of every remote node is encoded and sent before chunk c+1.
-  // A node's message is [count, chunk rows][rows]; chunk 0 carries the 16-byte header, so the
-  // receiver learns how many more chunks (tags tag+1, tag+2, ...) to expect.
+  // 1. network. Per remote node a header message [rows, chunk rows, rows for each local rank
+  // of that node] (tiny: sent eagerly, it arrives ahead of any bulk data), then the rows in
+  // chunks of C on tags tag+1, tag+2, ..., chunk-major (chunk c of every node is encoded and
+  // sent before chunk c+1). A receiver posts all chunk receives as soon as the header is in,
+  // so no chunk's rendezvous waits for a receive posted late (its reply would queue behind the
+  // reverse direction's bulk data on a congested link).
   const size_t C = im.chunk;
-  std::vector<RequestPtr> sends;
-  std::vector<RequestPtr> first(im.N);
-  const size_t cap = 16 + cfg.max_tokens * row;
+  const size_t hw = 2 + static_cast<size_t>(im.L);  // header words
+  std::vector<uint64_t> hdr_out(static_cast<size_t>(im.N) * hw, 0), hdr_in(hdr_out.size(), 0);
+  std::vector<RequestPtr> sends, hdr_req(im.N);
   size_t rounds = 0;
   for (int m = 0; m < im.N; ++m) {
     if (m == im.me_node) continue;
-    im.net_recv[m].resize(cap);
-    first[m] = im.comm->irecv(im.net_recv[m].data(), cap, im.node_ranks[m][im.me_local], tag);
+    const int peer = im.node_ranks[m][im.me_local];
+    hdr_req[m] = im.comm->irecv(hdr_in.data() + m * hw, hw * 8, peer, tag);
     const auto& list = h->node_send[m];
-    im.net_send[m].resize(16 + list.size() * row);
-    const uint64_t header[2] = {list.size(), C};
-    std::memcpy(im.net_send[m].data(), header, 16);
-    rounds = std::max(rounds, dispatchChunks(list.size(), C));
+    uint64_t* ho = hdr_out.data() + m * hw;
+    ho[0] = list.size();
+    ho[1] = C;
+    for (int l = 0; l < im.L; ++l) ho[2 + l] = static_cast<uint64_t>(h->stats.tokens_per_rank[im.node_ranks[m][l]]);
+    sends.push_back(im.comm->isend(ho, hw * 8, peer, tag));
+    im.net_send[m].resize(list.size() * row);
+    im.net_recv[m].resize(cfg.max_tokens * row);
+    rounds = std::max(rounds, dataChunks(list.size(), C));
     res.metrics.inter_node_bytes += list.size() * row;
   }
+  clk.lap("post");
   for (size_t c = 0; c < rounds; ++c)
     for (int m = 0; m < im.N; ++m) {
       const auto& list = h->node_send[m];
-      if (m == im.me_node || c >= dispatchChunks(list.size(), C)) continue;
+      if (m == im.me_node || c >= dataChunks(list.size(), C)) continue;
       const size_t lo = c * C, hi = std::min(list.size(), lo + C);
       uint8_t* buf = im.net_send[m].data();
-      for (size_t i = lo; i < hi; ++i) std::memcpy(buf + 16 + i * row, encodedRow(list[i]), row);
-      const size_t begin = c == 0 ? 0 : 16 + lo * row, end = 16 + hi * row;
-      sends.push_back(im.comm->isend(buf + begin, end - begin, im.node_ranks[m][im.me_local],
-                                     tag + static_cast<uint32_t>(c)));
+      for (size_t i = lo; i < hi; ++i) std::memcpy(buf + i * row, encodedRow(list[i]), row);
+      clk.lap("encode");
+      sends.push_back(im.comm->isend(buf + lo * row, (hi - lo) * row, im.node_ranks[m][im.me_local],
+                                     tag + 1 + static_cast<uint32_t>(c)));
       pump(sends);
+      clk.lap("post");
     }
 
   // 2. forward: F = own rows for this node, then each remote node's rows (block per node).
   // Every row goes once to each local rank holding one of its experts, written into that
-  // rank's slot for this forwarder. Own rows go first (the network is busy meanwhile), then
-  // the remote chunks as they arrive, so chunk k fans out while chunk k+1 is on the wire.
+  // rank's slot for this forwarder, with its index among the rows of its source for that
+  // rank in RowHeader::reserved. Own rows go first (the network is busy meanwhile), then the
+  // remote chunks as they arrive. The slot header tells the receiver how many rows each
+  // source sends it and how many rows are in so far (one signal per update), so receivers
+  // decode rows while later chunks are still on the wire.
   for (int j = 0; j < im.L; ++j) {
     int d = im.node_ranks[im.me_node][j];
     if (d != im.rank && im.dispatches > 0) im.dbuf->waitSignal(d, kDispatchAck, dl);
   }
-  std::vector<char*> slot(im.L);
+  clk.lap("wait ack");
+  std::vector<char*> slot(im.L);  // our slot in each local rank's buffer
   std::vector<size_t> pos(im.L, 0);
-  for (int j = 0; j < im.L; ++j)
-    slot[j] =
-        im.dbuf->peer<char>(im.node_ranks[im.me_node][j], static_cast<size_t>(im.me_local) * im.dslot) + 16;
+  std::vector<uint32_t> nsig(im.L, 0);
+  std::vector<int32_t> blk(static_cast<size_t>(im.L) * im.N, 0);  // [local j][source node]: rows so far
+  for (int j = 0; j < im.L; ++j) {
+    slot[j] = im.dbuf->peer<char>(im.node_ranks[im.me_node][j], static_cast<size_t>(im.me_local) * im.dslot);
+    std::memset(slot[j], 0, im.slot_hdr);
+  }
+  auto publish = [&](int lj, uint64_t flags) {
+    // Release stores: a receiver that sees a value also sees the rows and counts before it.
+    auto* sh = reinterpret_cast<uint64_t*>(slot[lj]);
+    __atomic_store_n(&sh[0], static_cast<uint64_t>(pos[lj]), __ATOMIC_RELEASE);
+    const uint64_t state = (__atomic_load_n(&sh[1], __ATOMIC_RELAXED) & ~uint64_t{0xFFFFFFFF}) | flags;
+    __atomic_store_n(&sh[1], state | ++nsig[lj], __ATOMIC_RELEASE);
+    const int d = im.node_ranks[im.me_node][lj];
+    if (d != im.rank) im.dbuf->putSignal(d, kDispatchData);
+  };
   h->fwd_to_local.assign(im.L, {});
   std::vector<int64_t> mark(im.L, -1);
-  auto forward = [&](size_t f, const uint8_t* rec) {
+  auto forward = [&](size_t f, const uint8_t* rec, int src_node) {
     const auto* idx = reinterpret_cast<const int64_t*>(rec + im.off_topk);
     for (size_t j = 0; j < k; ++j) {
       if (idx[j] < 0 || idx[j] >= cfg.num_experts) continue;
@@ -440,7 +505,10 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
       int lj = im.local_of[r];
       if (mark[lj] == static_cast<int64_t>(f)) continue;
       mark[lj] = static_cast<int64_t>(f);
-      std::memcpy(slot[lj] + pos[lj] * row, rec, row);
+      char* dst = slot[lj] + im.slot_hdr + pos[lj] * row;
+      std::memcpy(dst, rec, row);
+      const int32_t in_block = blk[static_cast<size_t>(lj) * im.N + src_node]++;
+      std::memcpy(dst + offsetof(RowHeader, reserved), &in_block, 4);
       ++pos[lj];
       h->fwd_to_local[lj].push_back(static_cast<int32_t>(f));
     }
@@ -452,129 +520,269 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     const auto& own = h->node_send[im.me_node];
     h->fwd_count[im.me_node] = own.size();
     for (size_t i = 0; i < own.size(); ++i) {
-      forward(i, encodedRow(own[i]));
+      encodedRow(own[i]);
       if (i % 8 == 7) pump(sends);
     }
-  }
-  // Chunk 0 of every remote node gives its row count and chunk size; then the rest is posted.
-  size_t next_f = h->fwd_count[im.me_node];
-  std::vector<std::vector<RequestPtr>> chunks(im.N);
-  rounds = 0;
-  for (int m = 0; m < im.N; ++m) {
-    if (m == im.me_node) continue;
-    const int peer = im.node_ranks[m][im.me_local];
-    first[m]->wait(dl);
-    uint64_t header[2];
-    std::memcpy(header, im.net_recv[m].data(), 16);
-    const uint64_t count = header[0], cm = header[1];
-    if (count > cfg.max_tokens || cm == 0 || dispatchChunks(count, cm) > kMaxChunks)
-      throw InternalError(im.ctx(op) + fmt::format("rank {} sent a bad header: {} rows in chunks of {} "
-                                                   "(max_tokens {})",
-                                                   peer, count, cm, cfg.max_tokens));
-    if (cached && count != cached->fwd_count[m])
-      throw InvalidUsage(im.ctx(op) +
-                         fmt::format("rank {} sent {} rows where the cached handle expects {}: every "
-                                     "rank must pass a handle of the same earlier dispatch",
-                                     peer, count, cached->fwd_count[m]));
-    h->fwd_start[m] = next_f;
-    h->fwd_count[m] = count;
-    h->fwd_chunk[m] = cm;
-    next_f += count;
-    const size_t n = dispatchChunks(count, cm);
-    rounds = std::max(rounds, n);
-    chunks[m].push_back(first[m]);
-    for (size_t c = 1; c < n; ++c) {
-      const size_t lo = c * cm, hi = std::min<size_t>(count, lo + cm);
-      chunks[m].push_back(im.comm->irecv(im.net_recv[m].data() + 16 + lo * row, (hi - lo) * row, peer,
-                                         tag + static_cast<uint32_t>(c)));
+    clk.lap("encode");
+    for (size_t i = 0; i < own.size(); ++i) {
+      forward(i, encodedRow(own[i]), im.me_node);
+      if (i % 8 == 7) pump(sends);
     }
-  }
-  for (size_t c = 0; c < rounds; ++c)
-    for (int m = 0; m < im.N; ++m) {
-      if (m == im.me_node || c >= chunks[m].size()) continue;
-      chunks[m][c]->wait(dl);
-      const size_t cm = h->fwd_chunk[m], lo = c * cm, hi = std::min(h->fwd_count[m], lo + cm);
-      for (size_t i = lo; i < hi; ++i) {
-        forward(h->fwd_start[m] + i, im.net_recv[m].data() + 16 + i * row);
-        if (i % 8 == 7) pump(sends);
-      }
-    }
-  im.comm->waitAll(sends, dl);
-  for (int j = 0; j < im.L; ++j) {
-    int d = im.node_ranks[im.me_node][j];
-    const uint64_t count = pos[j];
-    std::memcpy(slot[j] - 16, &count, 8);
-    if (d != im.rank) {
-      im.dbuf->putSignal(d, kDispatchData);
-      res.metrics.intra_node_bytes += count * row;
-    }
+    clk.lap("forward");
   }
 
-  // 3. receive: rows from each local forwarder, ordered by (source rank, token).
-  std::vector<const uint8_t*> slot_rows;
-  std::vector<std::pair<int, int>> slot_of;  // (forwarder j, position)
-  h->recv_rows.assign(im.L, {});
-  for (int j = 0; j < im.L; ++j) {
-    int f = im.node_ranks[im.me_node][j];
-    if (f != im.rank) im.dbuf->waitSignal(f, kDispatchData, dl);
-    const char* s = im.dbuf->local<char>(static_cast<size_t>(j) * im.dslot);
-    uint64_t count;
-    std::memcpy(&count, s, 8);
-    if (count > im.fmax)
-      throw InternalError(im.ctx(op) +
-                          fmt::format("rank {} forwarded {} rows (at most {} fit)", f, count, im.fmax));
-    if (cached && count != cached->recv_rows[j].size())
-      throw InvalidUsage(im.ctx(op) +
-                         fmt::format("rank {} forwarded {} rows where the cached handle expects {}", f, count,
-                                     cached->recv_rows[j].size()));
-    for (uint64_t p = 0; p < count; ++p) {
-      slot_rows.push_back(reinterpret_cast<const uint8_t*>(s + 16 + p * row));
-      slot_of.emplace_back(j, static_cast<int>(p));
+  // 3. receive (interleaved with 2.): rows from each local forwarder land at their final
+  // position, (source rank, token) order: offset of the source + index in its block.
+  struct FromForwarder {
+    uint64_t signals = 0;  // signal counter seen (remote forwarders)
+    uint64_t published = 0, decoded = 0, final_signals = 0, state = 0;
+    bool counts = false, final = false, done = false;
+  };
+  std::vector<FromForwarder> ff(im.L);
+  for (int j = 0; j < im.L; ++j) ff[j].signals = im.dsig_base[j];
+  std::vector<int64_t> src_count(im.R, -1), src_off(im.R + 1, 0);
+  std::vector<const uint8_t*> rec_of;  // [output row]: its record in our slots
+  bool sized = false;
+  size_t n = 0;
+  const int64_t first_expert = static_cast<int64_t>(im.rank) * im.epr;
+  auto mySlot = [&](int j) { return im.dbuf->local<char>(static_cast<size_t>(j) * im.dslot); };
+  auto receive = [&]() -> bool {
+    bool moved = false;
+    for (int j = 0; j < im.L; ++j) {
+      FromForwarder& s = ff[j];
+      if (s.done) continue;
+      const int f = im.node_ranks[im.me_node][j];
+      if (f != im.rank) {
+        const uint64_t v = im.dbuf->signalValue(f, kDispatchData);
+        if (v == s.signals) continue;
+        s.signals = v;
+      }
+      auto* sh = reinterpret_cast<uint64_t*>(mySlot(j));
+      const uint64_t state = __atomic_load_n(&sh[1], __ATOMIC_ACQUIRE);
+      const uint64_t published = __atomic_load_n(&sh[0], __ATOMIC_ACQUIRE);
+      if (f == im.rank && published == s.published && state == s.state) continue;  // own slot: unchanged
+      s.published = published;
+      s.state = state;
+      if ((state & kSlotCounts) && !s.counts) {
+        s.counts = true;
+        for (int m = 0; m < im.N; ++m) src_count[im.node_ranks[m][j]] = static_cast<int64_t>(sh[2 + m]);
+      }
+      if (state & kSlotFinal) {
+        s.final = true;
+        s.final_signals = im.dsig_base[j] + (state & 0xFFFFFFFF);
+      }
+      if (s.published > im.fmax)
+        throw InternalError(im.ctx(op) + fmt::format("rank {} forwarded {} rows (at most {} fit)", f,
+                                                     s.published, im.fmax));
+      moved = true;
     }
-  }
-  const size_t n = slot_rows.size();
-  std::vector<size_t> order(n);  // order[i]: index into slot_rows of output row i
-  if (cached) {
-    size_t s = 0;
-    for (int j = 0; j < im.L; ++j)
-      for (int32_t row : cached->recv_rows[j]) order[row] = s++;
-    h->recv_rows = cached->recv_rows;
-  } else {
-    std::iota(order.begin(), order.end(), 0);
-    auto key = [&](size_t s) {
-      RowHeader hd;
-      std::memcpy(&hd, slot_rows[s], sizeof hd);
-      return std::make_pair(hd.src_rank, hd.src_token);
+    if (!sized) {
+      for (int j = 0; j < im.L; ++j)
+        if (!ff[j].counts) return moved;
+      for (int s = 0; s < im.R; ++s) src_off[s + 1] = src_off[s] + src_count[s];
+      n = static_cast<size_t>(src_off[im.R]);
+      if (n > im.fmax * static_cast<size_t>(im.L))
+        throw InternalError(im.ctx(op) + fmt::format("{} rows announced (at most {} fit)", n, im.fmax * im.L));
+      h->recv_rows.assign(im.L, {});
+      for (int j = 0; j < im.L; ++j) {
+        size_t cnt = 0;
+        for (int m = 0; m < im.N; ++m) cnt += static_cast<size_t>(src_count[im.node_ranks[m][j]]);
+        if (cached && cnt != cached->recv_rows[j].size())
+          throw InvalidUsage(im.ctx(op) + fmt::format("rank {} forwards {} rows where the cached handle "
+                                                      "expects {}",
+                                                      im.node_ranks[im.me_node][j], cnt,
+                                                      cached->recv_rows[j].size()));
+        h->recv_rows[j].assign(cnt, -1);
+      }
+      res.x.resize(n * H * im.es);
+      rec_of.assign(n, nullptr);
+      if (cfg.return_quantized && im.quantized()) {
+        res.q_payload.resize(n * im.payload_bytes);
+        res.q_scales.resize(n * im.scale_bytes);
+        res.q_global_scale.resize(n);
+      }
+      sized = true;
+    }
+    for (int j = 0; j < im.L; ++j) {
+      FromForwarder& s = ff[j];
+      if (s.done) continue;
+      const char* base = mySlot(j) + im.slot_hdr;
+      for (; s.decoded < s.published; ++s.decoded) {
+        const uint8_t* rec = reinterpret_cast<const uint8_t*>(base + s.decoded * row);
+        RowHeader hd;
+        std::memcpy(&hd, rec, sizeof hd);
+        if (hd.src_rank < 0 || hd.src_rank >= im.R || im.local_of[hd.src_rank] != j || hd.reserved < 0 ||
+            hd.reserved >= src_count[hd.src_rank])
+          throw InternalError(im.ctx(op) + fmt::format("rank {} forwarded a row of rank {} (index {}) that "
+                                                       "was not announced",
+                                                       im.node_ranks[im.me_node][j], hd.src_rank, hd.reserved));
+        const size_t i = static_cast<size_t>(src_off[hd.src_rank] + hd.reserved);
+        if (s.decoded >= h->recv_rows[j].size() || rec_of[i])
+          throw InternalError(im.ctx(op) + fmt::format("rank {} forwarded row {} of rank {} twice or too "
+                                                       "many rows",
+                                                       im.node_ranks[im.me_node][j], hd.reserved, hd.src_rank));
+        rec_of[i] = rec;
+        h->recv_rows[j][s.decoded] = static_cast<int32_t>(i);
+        im.decodeRow(rec, res.x.data() + i * H * im.es);
+        if (!res.q_payload.empty()) {
+          std::memcpy(res.q_payload.data() + i * im.payload_bytes, rec + im.off_payload, im.payload_bytes);
+          std::memcpy(res.q_scales.data() + i * im.scale_bytes, rec + im.off_scales, im.scale_bytes);
+          res.q_global_scale[i] = hd.global_scale;
+        }
+        moved = true;
+        if (s.decoded % 8 == 7) pump(sends);
+      }
+      const bool all_signals = im.node_ranks[im.me_node][j] == im.rank || s.signals == s.final_signals;
+      if (s.final && all_signals && s.decoded == s.published) {
+        if (s.decoded != h->recv_rows[j].size())
+          throw InternalError(im.ctx(op) + fmt::format("rank {} forwarded {} rows but announced {}",
+                                                       im.node_ranks[im.me_node][j], s.decoded,
+                                                       h->recv_rows[j].size()));
+        s.done = true;
+      }
+    }
+    clk.lap("decode");
+    return moved;
+  };
+
+  // Headers, then chunks as they arrive; between them, decode what the forwarders published.
+  std::vector<std::vector<RequestPtr>> chunks(im.N);
+  std::vector<size_t> next_chunk(im.N, 0);
+  std::vector<uint8_t> header_in(im.N, 0);
+  int headers_left = im.N - 1;
+  bool counts_out = false, final_out = false;
+  auto pendingNet = [&]() -> RequestPtr {
+    for (int m = 0; m < im.N; ++m) {
+      if (m == im.me_node) continue;
+      if (!header_in[m]) return hdr_req[m];
+      if (next_chunk[m] < chunks[m].size()) return chunks[m][next_chunk[m]];
+    }
+    return nullptr;
+  };
+  while (true) {
+    bool moved = false;
+    for (int m = 0; m < im.N && headers_left > 0; ++m) {
+      if (m == im.me_node || header_in[m] || !hdr_req[m]->test()) continue;
+      const int peer = im.node_ranks[m][im.me_local];
+      const uint64_t* hi = hdr_in.data() + m * hw;
+      const uint64_t count = hi[0], cm = hi[1];
+      if (count > cfg.max_tokens || cm == 0 || dataChunks(count, cm) > kMaxChunks)
+        throw InternalError(im.ctx(op) + fmt::format("rank {} sent a bad header: {} rows in chunks of {} "
+                                                     "(max_tokens {})",
+                                                     peer, count, cm, cfg.max_tokens));
+      if (cached && count != cached->fwd_count[m])
+        throw InvalidUsage(im.ctx(op) +
+                           fmt::format("rank {} sent {} rows where the cached handle expects {}: every "
+                                       "rank must pass a handle of the same earlier dispatch",
+                                       peer, count, cached->fwd_count[m]));
+      h->fwd_count[m] = count;
+      h->fwd_chunk[m] = cm;
+      for (size_t c = 0, nc = dataChunks(count, cm); c < nc; ++c) {
+        const size_t lo = c * cm, hi_row = std::min<size_t>(count, lo + cm);
+        chunks[m].push_back(im.comm->irecv(im.net_recv[m].data() + lo * row, (hi_row - lo) * row, peer,
+                                           tag + 1 + static_cast<uint32_t>(c)));
+      }
+      header_in[m] = 1;
+      --headers_left;
+      moved = true;
+    }
+    if (headers_left == 0 && !counts_out) {
+      // F order: own block, then the remote nodes' blocks in node order.
+      size_t next_f = h->fwd_count[im.me_node];
+      for (int m = 0; m < im.N; ++m)
+        if (m != im.me_node) {
+          h->fwd_start[m] = next_f;
+          next_f += h->fwd_count[m];
+        }
+      for (int lj = 0; lj < im.L; ++lj) {
+        auto* sh = reinterpret_cast<uint64_t*>(slot[lj]);
+        for (int m = 0; m < im.N; ++m)
+          sh[2 + m] = m == im.me_node
+                          ? static_cast<uint64_t>(h->stats.tokens_per_rank[im.node_ranks[im.me_node][lj]])
+                          : hdr_in[m * hw + 2 + lj];
+        publish(lj, kSlotCounts);
+      }
+      counts_out = true;
+      moved = true;
+      clk.lap("wait net");
+    }
+    if (counts_out && !final_out) {
+      for (int m = 0; m < im.N; ++m) {
+        if (m == im.me_node) continue;
+        while (next_chunk[m] < chunks[m].size() && chunks[m][next_chunk[m]]->test()) {
+          clk.lap("wait net");
+          const size_t c = next_chunk[m]++, cm = h->fwd_chunk[m], lo = c * cm;
+          const size_t hi_row = std::min(h->fwd_count[m], lo + cm);
+          for (size_t i = lo; i < hi_row; ++i) {
+            forward(h->fwd_start[m] + i, im.net_recv[m].data() + i * row, m);
+            if (i % 8 == 7) pump(sends);
+          }
+          for (int lj = 0; lj < im.L; ++lj) publish(lj, 0);
+          clk.lap("forward");
+          moved = true;
+        }
+      }
+      if (!pendingNet()) {
+        for (int lj = 0; lj < im.L; ++lj) publish(lj, kSlotFinal);
+        final_out = true;
+        moved = true;
+      }
+    }
+    if (receive()) moved = true;
+    bool recv_done = true;
+    for (const auto& s : ff) recv_done = recv_done && s.done;
+    if (final_out && recv_done) break;
+    if (moved) continue;
+    if (dl.expired()) {
+      std::string missing;
+      for (int m = 0; m < im.N; ++m)
+        if (m != im.me_node && (!header_in[m] || next_chunk[m] < chunks[m].size()))
+          missing += fmt::format(" rows from rank {} ({}/{} chunks);", im.node_ranks[m][im.me_local],
+                                 next_chunk[m], header_in[m] ? std::to_string(chunks[m].size()) : "?");
+      for (int j = 0; j < im.L; ++j)
+        if (!ff[j].done)
+          missing += fmt::format(" rows forwarded by local rank {} ({} so far{});",
+                                 im.node_ranks[im.me_node][j], ff[j].decoded, ff[j].final ? ", final" : "");
+      throw Timeout(im.ctx(op) + "the deadline passed while waiting for" + missing +
+                        " check that every rank calls dispatch",
+                    {});
+    }
+    // Nothing to do: sleep on the network (or briefly) until something may have moved.
+    auto slotsMoved = [&] {
+      for (int j = 0; j < im.L; ++j) {
+        const int f = im.node_ranks[im.me_node][j];
+        if (f != im.rank && !ff[j].done && im.dbuf->signalValue(f, kDispatchData) != ff[j].signals) return true;
+      }
+      return false;
     };
-    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
-    std::vector<size_t> count_of(im.L, 0);
-    for (size_t s = 0; s < n; ++s) ++count_of[slot_of[s].first];
-    for (int j = 0; j < im.L; ++j) h->recv_rows[j].assign(count_of[j], -1);
-    for (size_t i = 0; i < n; ++i) h->recv_rows[slot_of[order[i]].first][slot_of[order[i]].second] = i;
+    if (RequestPtr r = pendingNet(); r && r->engine())
+      r->engine()->waitUntil([&] { return r->done() || slotsMoved(); }, Deadline::after(Millis(1)));
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    clk.lap(final_out ? "wait local" : "wait net");
   }
+  for (int j = 0; j < im.L; ++j)
+    if (im.node_ranks[im.me_node][j] != im.rank) im.dsig_base[j] = ff[j].final_signals;
+  im.comm->waitAll(sends, dl);
+  clk.lap("wait sends");
+  for (int j = 0; j < im.L; ++j)
+    if (im.node_ranks[im.me_node][j] != im.rank) res.metrics.intra_node_bytes += pos[j] * row;
+
   h->num_recv = n;
   res.num_recv = n;
-  res.x.resize(n * H * im.es);
   res.src_rank.resize(n);
   res.src_token.resize(n);
   res.recv_per_rank.assign(im.R, 0);
   res.topk_idx.resize(n * k);
   res.topk_weights.resize(n * k);
   res.tokens_per_expert.assign(im.epr, 0);
-  if (cfg.return_quantized && im.quantized()) {
-    res.q_payload.resize(n * im.payload_bytes);
-    res.q_scales.resize(n * im.scale_bytes);
-    res.q_global_scale.resize(n);
-  }
-  const int64_t first_expert = static_cast<int64_t>(im.rank) * im.epr;
   for (size_t i = 0; i < n; ++i) {
-    const uint8_t* rec = slot_rows[order[i]];
+    const uint8_t* rec = rec_of[i];
+    if (!rec) throw InternalError(im.ctx(op) + fmt::format("row {} of {} was announced but never arrived", i, n));
     RowHeader hd;
     std::memcpy(&hd, rec, sizeof hd);
     res.src_rank[i] = hd.src_rank;
     res.src_token[i] = hd.src_token;
-    if (hd.src_rank < 0 || hd.src_rank >= im.R)
-      throw InternalError(im.ctx(op) + fmt::format("received a row from rank {}", hd.src_rank));
     ++res.recv_per_rank[hd.src_rank];
     const auto* idx = reinterpret_cast<const int64_t*>(rec + im.off_topk);
     const auto* w = reinterpret_cast<const float*>(rec + im.off_w);
@@ -589,13 +797,8 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
       res.topk_weights[i * k + j] = local ? w[j] : 0.0f;
       if (local) ++res.tokens_per_expert[e];
     }
-    im.decodeRow(rec, res.x.data() + i * H * im.es);
-    if (!res.q_payload.empty()) {
-      std::memcpy(res.q_payload.data() + i * im.payload_bytes, rec + im.off_payload, im.payload_bytes);
-      std::memcpy(res.q_scales.data() + i * im.scale_bytes, rec + im.off_scales, im.scale_bytes);
-      res.q_global_scale[i] = hd.global_scale;
-    }
   }
+  clk.lap("decode");
   // Our slots are copied out: the forwarders may overwrite them (next dispatch).
   for (int j = 0; j < im.L; ++j) {
     int f = im.node_ranks[im.me_node][j];
@@ -620,6 +823,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
       res.expert_weights[pos] = res.topk_weights[i * k + j];
       std::memcpy(res.x_expert_major.data() + pos * H * im.es, res.x.data() + i * H * im.es, H * im.es);
     }
+  clk.lap("expert major");
 
   const auto& st = h->stats;
   {
@@ -657,11 +861,13 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   const Deadline dl = im.deadline();
   const uint32_t tag = im.opTag();
   CombineResult res;
+  PhaseClock clk(res.metrics.phases);
 
   // 1. each output row goes back to the local forwarder it came from, as f32.
   for (int j = 0; j < im.L; ++j) {
     int f = im.node_ranks[im.me_node][j];
     if (f != im.rank && im.combines > 0) im.cbuf->waitSignal(f, kCombineAck, dl);
+    clk.lap("wait ack");
     float* slot = im.cbuf->peer<float>(f, static_cast<size_t>(im.me_local) * im.cslot);
     const auto& rows = h.recv_rows[j];
     for (size_t p = 0; p < rows.size(); ++p) {
@@ -673,6 +879,7 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
       im.cbuf->putSignal(f, kCombineData);
       res.metrics.intra_node_bytes += rows.size() * H * sizeof(float);
     }
+    clk.lap("write");
   }
 
   // Source side: the partial sums of each remote node come back in chunks of our chunk size.
@@ -692,6 +899,7 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
                                         im.node_ranks[m][im.me_local], tag + static_cast<uint32_t>(c)));
     }
   }
+  clk.lap("post");
 
   // 2. as forwarder: wait for the node's partials, sum them per F row (in local-rank order, so
   // the result does not depend on the chunk size), and send each remote node's chunk as soon as
@@ -700,6 +908,7 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
     int d = im.node_ranks[im.me_node][j];
     if (d != im.rank) im.cbuf->waitSignal(d, kCombineData, dl);
   }
+  clk.lap("wait local");
   size_t nf = 0;
   for (size_t c : h.fwd_count) nf += c;
   std::vector<size_t> first(nf + 1, 0);  // contributions of F row i: contrib[first[i], first[i+1])
@@ -740,15 +949,18 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
           b[e] = BFloat16::fromFloat(acc[(h.fwd_start[m] + lo) * H + e]);
         src = b;
       }
+      clk.lap("reduce");
       sends.push_back(im.comm->isend(src, (hi - lo) * H * ws, im.node_ranks[m][im.me_local],
                                      tag + static_cast<uint32_t>(c)));
       res.metrics.inter_node_bytes += (hi - lo) * H * ws;
       pump(sends);
+      clk.lap("post");
     }
   for (size_t i = 0; i < h.fwd_count[im.me_node]; ++i) {
     reduce(h.fwd_start[im.me_node] + i);
     if (i % 8 == 7) pump(sends);
   }
+  clk.lap("reduce");
   for (int j = 0; j < im.L; ++j) {
     int d = im.node_ranks[im.me_node][j];
     if (d != im.rank) im.cbuf->putSignal(d, kCombineAck);
@@ -762,7 +974,11 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
     const auto& list = h.node_send[m];
     const bool own = m == im.me_node;
     for (size_t i = 0; i < list.size(); ++i) {
-      if (!own && i % h.chunk == 0) recvs[m][i / h.chunk]->wait(dl);
+      if (!own && i % h.chunk == 0) {
+        clk.lap("sum");
+        recvs[m][i / h.chunk]->wait(dl);
+        clk.lap("wait net");
+      }
       float* o = res.out.data() + static_cast<size_t>(list[i]) * H;
       if (own || !wire16) {
         const float* s = own ? acc.data() + (h.fwd_start[m] + i) * H
@@ -774,7 +990,9 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
       }
     }
   }
+  clk.lap("sum");
   im.comm->waitAll(sends, dl);
+  clk.lap("wait sends");
   return res;
 }
 

@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "collectives/dtype.h"
@@ -85,6 +86,9 @@ struct MoeMetrics {
   double network_dedup = 1.0;     // off-node (token, expert) pairs / off-node (token, node) pairs
   uint64_t dropped = 0;           // (token, expert) assignments over expert_capacity (receiver)
   double expert_imbalance = 1.0;  // max / mean of received tokens per local expert
+  // Wall time of the call's phases on this rank (seconds), in first-seen order: where the
+  // time goes (CPU work such as "encode"/"decode" vs waits such as "wait net"/"wait local").
+  std::vector<std::pair<const char*, double>> phases;
 };
 
 // Routing state of a dispatch, reused by combine and by a cached dispatch with the same
