@@ -6,7 +6,12 @@
 // tags agree across ranks. A thread that waits on a Work may itself execute the head
 // when nothing is executing (instead of waking the worker and sleeping): a blocking
 // call then costs no thread hand-off, and ordering still holds because only the head
-// is ever claimed. Selection (and the lazy creation of hierarchical sub-communicators,
+// is ever claimed. The worker therefore leaves the head to waiting threads: it claims
+// it only when no thread waits (`helpers`) and the head has been runnable for a short
+// grace period, so that an issue-then-wait call, and a thread waiting through a batch
+// of operations, run them inline (no futex wake-up and context switch per operation,
+// which dominates small operations with more ranks than cores). Operations nobody
+// waits for still start within the grace period. Selection (and the lazy creation of hierarchical sub-communicators,
 // a collective split) happens in the issuing thread, so those run in issue order too.
 //
 // A failed operation leaves its peers' traffic in an unknown state, so the error is
@@ -42,6 +47,10 @@ namespace {
 // operation sequence number and 6 bits for an algorithm's sub-phases.
 constexpr uint32_t kCollTagBase = kInternalTagBase | 0x08000000u;
 constexpr uint32_t kSeqBits = 20, kSubBits = 6;
+// How long a runnable head is left to waiting threads before the worker claims it, and
+// how often the worker looks again while others execute or wait.
+constexpr auto kHandOffGrace = std::chrono::microseconds(50);
+constexpr auto kWorkerPoll = std::chrono::microseconds(500);
 uint32_t opTag(uint64_t seq) {
   return kCollTagBase | (static_cast<uint32_t>(seq & ((1u << kSeqBits) - 1)) << kSubBits);
 }
@@ -99,6 +108,7 @@ class WorkImpl final : public Work {
   std::function<void(Deadline)> body;
   Millis timeout{0};
   Deadline default_wait = Deadline::never();
+  Clock::time_point enqueued{};
   bool done = false;
   bool started = false;
   std::exception_ptr err;
@@ -107,15 +117,22 @@ class WorkImpl final : public Work {
 
 struct Queue {
   std::mutex m;
-  std::condition_variable cv;
+  std::condition_variable cv;         // waiters: an operation finished
+  std::condition_variable worker_cv;  // the worker: the queue became non-empty, or stop
   std::deque<std::shared_ptr<WorkImpl>> items;
   bool executing = false;
   bool stop = false;
+  int helpers = 0;                 // threads blocked in wait() that will run the head
+  Clock::time_point last_end{};    // when the last operation finished
   std::exception_ptr sticky;
   std::string sticky_op;
   int rank = -1;
 
   bool canRunHead() const { return !executing && !items.empty(); }
+  // When the worker may claim the runnable head (waiting threads go first).
+  Clock::time_point workerClaimsAt() const {
+    return std::max(items.front()->enqueued, last_end) + kHandOffGrace;
+  }
 
   // Executes the head; called and returns with `lk` held.
   void runHead(std::unique_lock<std::mutex>& lk) {
@@ -148,7 +165,28 @@ struct Queue {
       sticky_op = w->desc_;
     }
     executing = false;
+    last_end = Clock::now();
     cv.notify_all();
+  }
+
+  // The worker thread's loop: runs heads nobody else runs, until stopped and drained.
+  void workerLoop() {
+    std::unique_lock<std::mutex> lk(m);
+    while (true) {
+      if (canRunHead()) {
+        if (stop || (helpers == 0 && Clock::now() >= workerClaimsAt())) {
+          runHead(lk);
+          continue;
+        }
+        worker_cv.wait_until(lk, helpers == 0 ? workerClaimsAt() : Clock::now() + kWorkerPoll);
+        continue;
+      }
+      if (stop && items.empty()) return;
+      if (items.empty())
+        worker_cv.wait(lk);
+      else
+        worker_cv.wait_for(lk, kWorkerPoll);  // another thread executes; the rest may be ours
+    }
   }
 };
 
@@ -179,7 +217,11 @@ void WorkImpl::wait(Deadline deadline) {
                       errorContext(q_->rank, "wait"), desc_,
                       started ? "it is running" : "it is still queued behind earlier operations"));
     }
+    // While the head is one this wait may run, the worker leaves it to this thread.
+    const bool helper = q_->items.empty() || Clock::now() + q_->items.front()->timeout <= deadline.at();
+    if (helper) ++q_->helpers;
     q_->cv.wait_for(lk, std::min<Millis>(deadline.remaining(), Millis(100)));
+    if (helper) --q_->helpers;
   }
   if (err) std::rethrow_exception(err);
 }
@@ -511,8 +553,11 @@ void Collectives::Impl::enqueue(const std::shared_ptr<WorkImpl>& w, Millis timeo
   // A plain wait() allows for every operation ahead of this one to use its deadline.
   const size_t ahead = q->items.size() + (q->executing ? 1 : 0);
   w->default_wait = Deadline::after(timeout * static_cast<int64_t>(ahead + 1) + Millis(5000));
+  w->enqueued = Clock::now();
   q->items.push_back(w);
-  q->cv.notify_all();
+  // Only an empty queue leaves the worker asleep without a timeout; waiters need no
+  // wake-up (their own operation is still ahead of or at this one).
+  if (q->items.size() == 1) q->worker_cv.notify_one();
 }
 
 WorkPtr Collectives::Impl::submit(CollArgs a, const CollOptions& o) {
@@ -539,17 +584,7 @@ Collectives::Collectives(std::shared_ptr<Communicator> comm) : comm_(std::move(c
   impl_->env_override = parseAlgoOverride(env::getString("CROSSBAR_ALGO"));
   impl_->chunk_bytes = std::max<uint64_t>(env::getSize("CROSSBAR_COLL_CHUNK_SIZE"), 64);
   impl_->checker = std::make_shared<CallChecker>(callCheckModeFromEnv());
-  impl_->worker = std::thread([q = impl_->q] {
-    std::unique_lock<std::mutex> lk(q->m);
-    while (true) {
-      q->cv.wait(lk, [&] { return q->stop || q->canRunHead(); });
-      if (q->canRunHead()) {
-        q->runHead(lk);
-        continue;
-      }
-      if (q->stop && q->items.empty()) return;
-    }
-  });
+  impl_->worker = std::thread([q = impl_->q] { q->workerLoop(); });
 }
 
 Collectives::~Collectives() {
@@ -561,7 +596,7 @@ Collectives::~Collectives() {
     // Drain: queued operations still run (each is bounded by its deadline).
     std::unique_lock<std::mutex> lk(impl_->q->m);
     impl_->q->stop = true;
-    impl_->q->cv.notify_all();
+    impl_->q->worker_cv.notify_all();
   }
   impl_->worker.join();
 }
