@@ -5,7 +5,7 @@
 // relative bound per type: the kernels accumulate in f32 (f64 for double) and round
 // once, so the error is at most half an ulp of the output type (plus f32 summation
 // error, zero here: inputs are small multiples of 1/4, exact in f32).
-// Budget: the whole binary runs in well under 60 s on one H200.
+// Budget: the whole binary runs in well under 90 s on one H200.
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "collectives/collectives.h"
 #include "collectives/cuda/cuda_collectives.h"
 #include "collectives/reduce.h"
+#include "collectives/signature.h"
 #include "comm/errors.h"
 #include "gpu_checks.h"
 #include "harness/multiprocess.h"
@@ -477,6 +479,90 @@ TEST_F(CudaCollGpu, PipelineAndSymmetricFourRanks) {
   runRanks(4, pipelineAndSymmetric, bounded());
 }
 
+// Mismatched calls (CROSSBAR_CHECK_CALLS=cheap, the default): the host compares every
+// collective's signature before anything is enqueued, so a rank that calls something
+// else gets InvalidUsage on every rank, naming it, instead of a stream waiting forever on
+// signals (or kernels reading the wrong extents). Nothing reaches the caller's stream,
+// and the CudaCollectives stays usable. Rank 1 is the odd one out.
+void mismatchedCalls(RankEnv& env) {
+  CUDA_OK(cudaSetDevice(0));
+  auto comm = env.communicator();
+  const int n = comm->size(), me = comm->rank(), odd = 1;
+  CudaCollectives cc(comm);
+  ASSERT_EQ(cc.heapUnavailableReason(), "");
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const DataType t = DataType::kFloat32;
+  const size_t count = 1024;
+  DevBuf in(count * 4 * n), out(count * 4 * n);
+  upload(in.p, encodeInput(t, me, count * n, 11));
+  auto refused = [&](const char* name, const std::function<WorkPtr()>& issue, const std::string& needle,
+                     std::vector<int> peers) {
+    SCOPED_TRACE(fmt::format("rank {}: {}", me, name));
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      WorkPtr w = issue();
+      w->wait(kWait());
+      ADD_FAILURE() << "no error";
+    } catch (const InvalidUsage& e) {
+      const std::string text = e.what();
+      EXPECT_EQ(e.peers(), peers) << text;
+      EXPECT_NE(text.find(needle), std::string::npos) << text;
+      EXPECT_NE(text.find("Nothing of this call was enqueued on any rank"), std::string::npos) << text;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "wrong error: " << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10)) << "detected, not timed out";
+    EXPECT_EQ(cudaStreamQuery(s), cudaSuccess) << "nothing may reach the caller's stream";
+  };
+  const auto sum = ReduceOp::kSum;
+  refused(
+      "count", [&] { return cc.allreduce(in.p, out.p, me == odd ? 100 : 64, t, sum, s); },
+      "rank 1 called allreduce of 100 x float sum (collective #0) (count 100 vs 64)", {odd});
+  refused(
+      "op",
+      [&] { return cc.reduceScatter(in.p, out.p, 8, t, me == odd ? ReduceOp::kMax : sum, s); },
+      "op max vs sum", {odd});
+  refused(
+      "root", [&] { return cc.broadcast(in.p, 8, t, me == odd ? 1 : 0, s); }, "root 1 vs 0", {odd});
+  refused(
+      "order", [&] { return me == odd ? cc.barrier(s) : cc.allgather(in.p, out.p, 8, t, s); },
+      "collective barrier vs allgather", {odd});
+  // alltoallv: rank 0 sends 3 elements to rank 1, which expects 2 (the heap algorithm's
+  // own exchange would see it on rank 1 only; the check stops every rank).
+  {
+    std::vector<size_t> sc(n, 2), rc(n, 2), displ(n);
+    for (int r = 0; r < n; ++r) displ[r] = 4 * r;
+    if (me == 0) sc[odd] = 3;
+    refused(
+        "alltoallv", [&] { return cc.alltoallv(in.p, sc, displ, out.p, rc, displ, t, s); },
+        "rank 0 sends 3 elements to rank 1, which expects 2", {0, odd});
+  }
+  // Still usable: a matching allreduce is right.
+  cc.allreduce(in.p, out.p, count, t, sum, s)->wait(kWait());
+  expectDevice(
+      out.p, t, count, [&](size_t i) { return reference(t, sum, n, i, 11); }, "allreduce after the mismatches");
+  // The host front end's device-pointer route is checked the same way.
+  {
+    Collectives host(comm);
+    CollOptions o;
+    o.cuda_stream = s;
+    refused(
+        "routed", [&] { return host.allgather(in.p, out.p, me == odd ? 3 : 4, t, o); }, "count 3 vs 4", {odd});
+    host.allreduce(in.p, out.p, count, t, sum, o)->wait(kWait());
+    expectDevice(
+        out.p, t, count, [&](size_t i) { return reference(t, sum, n, i, 11); }, "routed allreduce after it");
+  }
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+TEST_F(CudaCollGpu, MismatchedCallsRaiseBeforeEnqueueTwoRanks) {
+  runRanks(2, mismatchedCalls, bounded());
+}
+TEST_F(CudaCollGpu, MismatchedCallsRaiseBeforeEnqueueFourRanks) {
+  runRanks(4, mismatchedCalls, bounded());
+}
+
 // Telemetry: with the recorder on, every CudaCollectives call (a group: one record)
 // yields a record whose start/end come from CUDA events on the internal stream, read
 // back without blocking (at Work completion, or by Recorder::step() for work the caller
@@ -546,7 +632,12 @@ void telemetryRecords(RankEnv& env) {
   EXPECT_LT(r[0].op_seq, r[2].op_seq);
   EXPECT_LT(r[2].op_seq, r[3].op_seq);
   EXPECT_LT(r[3].op_seq, r[4].op_seq);
-  if (me != 1)
+  // Rank 1 came 300 ms late. With the call check on (the default) its peers' hosts wait
+  // for it in the check, before the call enqueues anything: the lateness shows between
+  // enqueue and start. Off, the call is enqueued at once and the stream waits.
+  if (me != 1 && callCheckModeFromEnv() != CallCheckMode::kOff)
+    EXPECT_GE(r[3].start_ns - r[3].enqueue_ns, 100'000'000) << "the call check waited for rank 1";
+  else if (me != 1)
     EXPECT_GE(r[3].wait_ns, 100'000'000) << "the stream waited for rank 1's signal";
   else
     EXPECT_LT(r[3].wait_ns, 150'000'000) << "rank 1 came last: its peers were there";
@@ -557,6 +648,11 @@ void telemetryRecords(RankEnv& env) {
 
 TEST_F(CudaCollGpu, TelemetryRecordsTwoRanks) {
   runRanks(2, telemetryRecords, bounded());
+}
+TEST_F(CudaCollGpu, TelemetryRecordsTwoRanksCheckOff) {
+  RunOptions o = bounded();
+  o.env["CROSSBAR_CHECK_CALLS"] = "off";
+  runRanks(2, telemetryRecords, o);
 }
 
 // NCCL with one rank (NCCL allows one rank per GPU): every collective forced to NCCL,
