@@ -46,9 +46,13 @@ namespace crossbar::moe {
 namespace {
 
 constexpr int kSkip = 77;
+constexpr int kAutoMaxNodes = -1000;
 
 struct Options {
-  int nodes = 2, ranks_per_node = 2, experts = 256, topk = 8, max_nodes = -1, iters = 5, warmup = 1;
+  int nodes = 2, ranks_per_node = 2, experts = 256, topk = 8, iters = 5, warmup = 1;
+  // Node-limited routing: a token's experts lie on at most this many nodes. Default: half the
+  // nodes (DeepSeek-V3: 4 of 8), at least 1; 0 or less: no limit.
+  int max_nodes = kAutoMaxNodes;
   size_t tokens = 512, hidden = 7168;
   std::string rate = "auto";
   DataType combine_wire = DataType::kBFloat16;  // two-level combine's partials on the network
@@ -465,8 +469,10 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
   const int E = o.experts;
   print(
       fmt::format("# moe_netns_bench: {} nodes x {} ranks, {}; {} experts, top-{}, max nodes/token {}, "
-                  "{} tokens/rank, hidden {}, two-level combine partials {}\n",
-                  comm->numNodes(), comm->localSize(), link, E, o.topk, o.max_nodes, o.tokens, o.hidden,
+                  "{} tokens/rank, hidden {}, two-level combine partials {}, row-major output (no "
+                  "expert-major copy, like flat)\n",
+                  comm->numNodes(), comm->localSize(), link, E, o.topk,
+                  o.max_nodes > 0 ? std::to_string(o.max_nodes) : std::string("no limit"), o.tokens, o.hidden,
                   o.combine_wire == DataType::kFloat32 ? "f32" : "bf16"));
   print(fmt::format("# {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10} {:>10}\n", "format",
                     "2l disp", "2l comb", "2l total", "flat disp", "flat comb", "flat total", "speedup",
@@ -476,7 +482,7 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
   ro.num_experts = E;
   ro.topk = o.topk;
   ro.num_groups = comm->numNodes();
-  ro.max_groups_per_token = o.max_nodes;
+  ro.max_groups_per_token = o.max_nodes > 0 ? o.max_nodes : -1;
   ro.seed = 11;
   Routing routing = generateRouting(o.tokens, me, ro);
   std::vector<BFloat16> x(o.tokens * o.hidden);
@@ -498,6 +504,7 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
       err = check(cfg, *exact, flat, x, routing, me);
     }
     cfg.combine_wire = o.combine_wire;
+    cfg.expert_major_copy = false;  // the flat path returns rows by source too
     auto buf = MoeBuffer::create(comm, cfg);
     if (!err.empty())
       std::fprintf(stderr, "moe_netns_bench: MISMATCH (%s): %s\n", payloadFormatName(f), err.c_str());
@@ -657,6 +664,7 @@ int main(int argc, char** argv) {
     }
     if (o.nodes < 1 || o.ranks_per_node < 1 || o.experts % (o.nodes * o.ranks_per_node) != 0)
       throw InvalidArgument("--experts must be a multiple of --nodes x --ranks-per-node");
+    if (o.max_nodes == kAutoMaxNodes) o.max_nodes = std::max(1, o.nodes / 2);
     std::unique_ptr<NetnsTopology> topo;
     std::string link = "no namespaces (UCX's own transports across virtual nodes)";
     if (o.netns) {

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "collectives/float_types.h"
+#include "collectives/moe/host_codec.h"
 #include "comm/env.h"
 #include "comm/errors.h"
 #include "comm/log.h"
@@ -350,10 +351,10 @@ void MoeBuffer::Impl::decodeRow(const uint8_t* rec, void* out) const {
   RowHeader hdr;
   std::memcpy(&hdr, rec, sizeof hdr);
   if (cfg.dtype == DataType::kFloat32)
-    dequantizeRow(payloadCodec(cfg.format), rec + off_payload, rec + off_scales, H, static_cast<float*>(out),
+    decodeRowHost(payloadCodec(cfg.format), rec + off_payload, rec + off_scales, H, static_cast<float*>(out),
                   hdr.global_scale);
   else
-    dequantizeRow(payloadCodec(cfg.format), rec + off_payload, rec + off_scales, H,
+    decodeRowHost(payloadCodec(cfg.format), rec + off_payload, rec + off_scales, H,
                   static_cast<BFloat16*>(out), hdr.global_scale);
 }
 
@@ -812,7 +813,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     res.expert_offsets[e + 1] = res.expert_offsets[e] + res.tokens_per_expert[e];
   res.expert_rows.resize(res.expert_offsets[im.epr]);
   res.expert_weights.resize(res.expert_rows.size());
-  res.x_expert_major.resize(res.expert_rows.size() * H * im.es);
+  if (cfg.expert_major_copy) res.x_expert_major.resize(res.expert_rows.size() * H * im.es);
   std::vector<int> fill(res.expert_offsets.begin(), res.expert_offsets.end() - 1);
   for (size_t i = 0; i < n; ++i)
     for (size_t j = 0; j < k; ++j) {
@@ -821,7 +822,8 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
       int pos = fill[e]++;
       res.expert_rows[pos] = static_cast<int32_t>(i);
       res.expert_weights[pos] = res.topk_weights[i * k + j];
-      std::memcpy(res.x_expert_major.data() + pos * H * im.es, res.x.data() + i * H * im.es, H * im.es);
+      if (cfg.expert_major_copy)
+        std::memcpy(res.x_expert_major.data() + pos * H * im.es, res.x.data() + i * H * im.es, H * im.es);
     }
   clk.lap("expert major");
 

@@ -50,6 +50,10 @@ struct MoeConfig {
   PayloadFormat format = PayloadFormat::kNative;
   // Also hand the received quantized payload and scales to the caller (DispatchResult::q_*).
   bool return_quantized = false;
+  // Fill DispatchResult::x_expert_major (one copy of x per (row, local expert)). false: only
+  // the expert-major index (expert_offsets / expert_rows / expert_weights) is filled, which
+  // saves that copy for callers that gather rows themselves or use the row-major x.
+  bool expert_major_copy = true;
   // Per local expert, the most (token, expert) assignments a rank accepts per dispatch; the
   // rest are dropped (index -1, weight 0) in (source rank, token) order. -1: no limit.
   int64_t expert_capacity = -1;
@@ -107,7 +111,7 @@ struct DispatchResult {
   std::vector<int> expert_offsets;      // [local experts + 1]
   std::vector<int32_t> expert_rows;     // row of x each expert-major row copies
   std::vector<float> expert_weights;    // its weight
-  std::vector<uint8_t> x_expert_major;  // [expert_rows.size() x hidden] in MoeConfig::dtype
+  std::vector<uint8_t> x_expert_major;  // [expert_rows.size() x hidden] in MoeConfig::dtype (expert_major_copy)
   // return_quantized: payloadBytes / scaleBytes per row, and the nvfp4 per-tensor scale.
   std::vector<uint8_t> q_payload, q_scales;
   std::vector<float> q_global_scale;

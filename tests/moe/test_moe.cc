@@ -294,6 +294,21 @@ void body(RankEnv& env) {
   for (int s = 0; s < R; ++s) total += tokensOf(Case{}, s);
   EXPECT_EQ(d.tokens_per_expert[0], me == 0 && total > 0 ? 1 : 0);
   EXPECT_EQ(d.metrics.dropped, me == 0 && total > 0 ? total - 1 : 0);
+
+  // Without the expert-major copy: the same rows and expert-major index, no copy.
+  MoeConfig nocopy = cfg;
+  nocopy.expert_major_copy = false;
+  auto nb = MoeBuffer::create(comm, nocopy);
+  Input nin = makeInput(Case{}, me, R, L);
+  auto nx = toType(nin.xf, DataType::kBFloat16);
+  DispatchResult with = bf->dispatch(nx.data(), nin.tokens, nin.idx.data(), nin.w.data());
+  DispatchResult without = nb->dispatch(nx.data(), nin.tokens, nin.idx.data(), nin.w.data());
+  EXPECT_TRUE(without.x_expert_major.empty());
+  EXPECT_EQ(with.x, without.x);
+  EXPECT_EQ(with.expert_offsets, without.expert_offsets);
+  EXPECT_EQ(with.expert_rows, without.expert_rows);
+  EXPECT_EQ(with.expert_weights, without.expert_weights);
+  EXPECT_EQ(with.x_expert_major.size(), with.expert_rows.size() * cfg.hidden * 2);
 }
 
 void runTopology(int ranks, int per_node) {
