@@ -12,6 +12,8 @@
 //                 and combine the partial blocks across nodes
 // allgather:      B = inter exchange of my block, C = intra allgather of the node's blocks
 // broadcast:      B = chain across nodes among the root's local index, C = intra broadcast
+// alltoall:       A = intra alltoallv collecting the blocks bound for each node's rank with
+//                 my local index, B = one aggregated message per node pair
 //
 // Only the helper touches the inter-node communicator and only this thread the
 // symmetric staging, so the two never share state (scratch slots are split: the
@@ -42,8 +44,9 @@ namespace crossbar {
 namespace {
 
 constexpr size_t kAlign = 64;                 // intra blocks start on cache lines
-constexpr int kSlotPartials = 4;              // reduce_scatter: partial blocks bound for other nodes
-constexpr int kSlotInbound = 5;               // reduce_scatter: partial blocks from other nodes
+constexpr int kSlotPartials = 4;              // reduce_scatter / alltoall: blocks bound for other nodes
+constexpr int kSlotInbound = 5;               // reduce_scatter / alltoall: blocks from other nodes
+constexpr int kSlotInPlace = 6;               // alltoall in place: a copy of the input
 constexpr uint32_t kSubInter = 8;             // inter-node sub-tags (another communicator; kept apart anyway)
 
 inline char* cp(void* p) {
@@ -412,6 +415,73 @@ void broadcastHierPipelined(const CollArgs& a, RunContext& x) {
   });
 }
 
+// ---- alltoall -------------------------------------------------------------------------
+
+// Aggregated per destination node, so each pair of nodes exchanges one message per
+// local-index pair and chunk. A: for each node j, the local ranks run an intra-node
+// alltoallv of chunk k of their blocks bound for node j's ranks: local rank l collects
+// every local rank's block for rank (j, l) (its own node's straight into the output).
+// B: those L blocks go to rank (j, l) in one message; what arrives is scattered into
+// the output.
+void alltoallHierPipelined(const CollArgs& a, RunContext& x) {
+  Communicator& inter = *x.hier->inter;
+  const NodeMap nm = nodeMap(*x.comm, *x.hier);
+  const int L = nm.local, N = nm.nodes, me = nm.my_node;
+  const size_t es = elementSize(a.type), n = a.count, p = static_cast<size_t>(x.comm->size());
+  const size_t C = chunkElems(hierChunkBytes() / static_cast<size_t>(L), es);
+  const size_t K = ceilDiv(n, C);
+  const size_t agg = static_cast<size_t>(L) * C * es;  // one node's aggregate per chunk
+  const char* in = ccp(a.send);
+  if (a.send == a.recv) {  // in place: blocks are overwritten before every chunk of them is sent
+    char* copy = x.scratch->get(kSlotInPlace, p * n * es);
+    std::memcpy(copy, a.send, p * n * es);
+    in = copy;
+  }
+  char* outbound = x.scratch->get(kSlotPartials, 2 * static_cast<size_t>(N) * agg);
+  char* inbound = x.scratch->get(kSlotInbound, static_cast<size_t>(N) * agg);
+  auto aggregate = [&](size_t k, int j) { return outbound + ((k % 2) * N + j) * agg; };
+  const Algorithm* intra_v = findAlgorithm(CollType::kAlltoallv, "symm");
+  if (!intra_v) throw InternalError("hierarchical alltoall: the symm alltoallv is not registered");
+  RunContext ix = x;
+  ix.comm = x.hier->intra.get();
+  RunContext hx = helperContext(x, inter);
+  pipeline(
+      K, x, x.comm->rank(),
+      [&](size_t k) {
+        const size_t lo = k * C, m = std::min(C, n - lo);
+        for (int j = 0; j < N; ++j) {
+          char* dst = j == me ? cp(a.recv) : aggregate(k, j);
+          CollArgs c = CollArgs::of(CollType::kAlltoallv, in, dst, 0, a.type);
+          for (int b = 0; b < L; ++b) {
+            c.send_counts.push_back(m);
+            c.recv_counts.push_back(m);
+            c.send_displs.push_back(static_cast<size_t>(nm.at(j, b)) * n + lo);
+            c.recv_displs.push_back(j == me ? static_cast<size_t>(nm.at(me, b)) * n + lo : b * m);
+          }
+          intra_v->run(c, ix);
+        }
+      },
+      [&](size_t k) {
+        const size_t lo = k * C, m = std::min(C, n - lo);
+        std::vector<RequestPtr> reqs;
+        for (int i = 1; i < N; ++i) {
+          const int from = (me - i + N) % N, to = (me + i) % N;
+          reqs.push_back(inter.irecv(inbound + from * agg, L * m * es, from, hx.tag + kSubInter));
+          reqs.push_back(inter.isend(aggregate(k, to), L * m * es, to, hx.tag + kSubInter));
+        }
+        {
+          telemetry::PeerWait waiting(-1);
+          inter.waitAll(reqs, hx.deadline);
+        }
+        for (int j = 0; j < N; ++j)
+          if (j != me)
+            for (int b = 0; b < L; ++b)
+              std::memcpy(cp(a.recv) + (static_cast<size_t>(nm.at(j, b)) * n + lo) * es,
+                          inbound + j * agg + b * m * es, m * es);
+      },
+      nullptr);
+}
+
 // ---- applicability -------------------------------------------------------------------
 
 std::string hierApplies(const CollArgs&, const Communicator& c) {
@@ -436,6 +506,9 @@ void registerHierAlgorithms(std::deque<Algorithm>& out) {
       reduceScatterHierPipelined);
   add(CollType::kAllgather, "chunks: exchange blocks across nodes per local index | symm allgather in the node",
       allgatherHierPipelined);
+  add(CollType::kAlltoall,
+      "chunks: symm alltoallv gathers each node's blocks per local index | one message per node pair",
+      alltoallHierPipelined);
   add(CollType::kBroadcast, "chunks: chain across nodes on the root's local index | symm broadcast in the node",
       broadcastHierPipelined);
 }

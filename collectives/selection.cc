@@ -255,13 +255,16 @@ const std::vector<SelectionRule>& selectionTable() {
       {CollType::kGather, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
       {CollType::kScatter, kCmaMin, kInf, 1, kAnyRanks, NodeScope::kSingle, "cma"},
       {CollType::kScatter, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
-      // Several nodes: symmetric memory inside each node, point-to-point across; from
-      // a few chunks (CROSSBAR_COLL_HIER_CHUNK) up, pipelined so the inter-node phase
-      // of a chunk overlaps the intra-node phases of its neighbours (hier_algorithms.cc).
-      {CollType::kAllreduce, 2 * M, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
-      {CollType::kAllreduce, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hierarchical_symm"},
+      // Several nodes: symmetric memory inside each node, point-to-point across,
+      // pipelined in chunks (CROSSBAR_COLL_HIER_CHUNK) so the inter-node phase of a
+      // chunk overlaps the intra-node phases of its neighbours (hier_algorithms.cc; one
+      // chunk = hierarchical_symm). Measured on 2 virtual nodes x 2 ranks (noisy: see
+      // docs/performance.md): reduce_scatter 2-5x pairwise/ring at 8K-64M, the others
+      // ahead from 64K/256K; alltoall (aggregated per node pair) is not ahead on one
+      // machine, so it is only used when forced.
+      {CollType::kAllreduce, 64 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
       {CollType::kAllgather, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
-      {CollType::kReduceScatter, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
+      {CollType::kReduceScatter, 0, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
       {CollType::kBroadcast, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
       {CollType::kAllreduce, 0, 64 * K, 1, kAnyRanks, NodeScope::kAny, "rd"},
       {CollType::kAllreduce, 64 * K, kInf, 1, kAnyRanks, NodeScope::kAny, "ring"},

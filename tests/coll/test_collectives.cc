@@ -505,7 +505,8 @@ std::vector<Case> hierMatrix(int p) {
   const size_t sizes[] = {0, 1, 7, 1031, 9001};
   const DataType mov[] = {DataType::kUInt8, DataType::kInt32, DataType::kFloat16, DataType::kFloat64};
   int k = 0;
-  for (CollType coll : {CollType::kAllreduce, CollType::kReduceScatter, CollType::kAllgather}) {
+  for (CollType coll :
+       {CollType::kAllreduce, CollType::kReduceScatter, CollType::kAllgather, CollType::kAlltoall}) {
     for (size_t si = 0; si < std::size(sizes); ++si)
       for (int inplace = 0; inplace < 2; ++inplace, ++k) {
         Case c{coll, "hier_pipelined", sizes[si], inplace == 1, (si + inplace) % 2};
@@ -561,7 +562,7 @@ TEST_P(HierMatrix, PipelinedAlgorithms) {
         ASSERT_EQ(comm->numNodes(), cfg.nodes);
         // The algorithms must apply here (a forced one that does not falls back silently).
         for (CollType c : {CollType::kAllreduce, CollType::kReduceScatter, CollType::kAllgather,
-                           CollType::kBroadcast}) {
+                           CollType::kBroadcast, CollType::kAlltoall}) {
           const Algorithm* a = findAlgorithm(c, "hier_pipelined");
           ASSERT_NE(a, nullptr) << collTypeName(c);
           EXPECT_EQ(a->applies(CollArgs::of(c, nullptr, nullptr, 1, DataType::kFloat32), *comm), "");
