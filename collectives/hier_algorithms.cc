@@ -43,11 +43,11 @@
 namespace crossbar {
 namespace {
 
-constexpr size_t kAlign = 64;                 // intra blocks start on cache lines
-constexpr int kSlotPartials = 4;              // reduce_scatter / alltoall: blocks bound for other nodes
-constexpr int kSlotInbound = 5;               // reduce_scatter / alltoall: blocks from other nodes
-constexpr int kSlotInPlace = 6;               // alltoall in place: a copy of the input
-constexpr uint32_t kSubInter = 8;             // inter-node sub-tags (another communicator; kept apart anyway)
+constexpr size_t kAlign = 64;      // intra blocks start on cache lines
+constexpr int kSlotPartials = 4;   // reduce_scatter / alltoall: blocks bound for other nodes
+constexpr int kSlotInbound = 5;    // reduce_scatter / alltoall: blocks from other nodes
+constexpr int kSlotInPlace = 6;    // alltoall in place: a copy of the input
+constexpr uint32_t kSubInter = 8;  // inter-node sub-tags (another communicator; kept apart anyway)
 
 inline char* cp(void* p) {
   return static_cast<char*>(p);
@@ -95,10 +95,11 @@ NodeMap nodeMap(const Communicator& c, const HierComms& h) {
   m.my_local = static_cast<int>(std::find(mine.begin(), mine.end(), c.rank()) - mine.begin());
   if (h.intra->rank() != m.my_local || h.intra->size() != m.local || h.inter->rank() != m.my_node ||
       h.inter->size() != m.nodes)
-    throw InternalError(fmt::format("{}hierarchical sub-communicators disagree with the topology (intra {}/{}, "
-                                    "inter {}/{}; expected {}/{}, {}/{})",
-                                    errorContext(c.rank(), "hierarchical"), h.intra->rank(), h.intra->size(),
-                                    h.inter->rank(), h.inter->size(), m.my_local, m.local, m.my_node, m.nodes));
+    throw InternalError(
+        fmt::format("{}hierarchical sub-communicators disagree with the topology (intra {}/{}, "
+                    "inter {}/{}; expected {}/{}, {}/{})",
+                    errorContext(c.rank(), "hierarchical"), h.intra->rank(), h.intra->size(), h.inter->rank(),
+                    h.inter->size(), m.my_local, m.local, m.my_node, m.nodes));
   return m;
 }
 
@@ -253,7 +254,8 @@ void allreduceHierPipelined(const CollArgs& a, RunContext& x) {
       [&](size_t k) {
         const size_t lo = k * C;
         Blocks B = blocksOf(k);
-        symmReduceScatter(s, x, ccp(a.send) + lo * es, cp(a.recv) + (lo + B.off[l]) * es, B, a.type, op1, prm);
+        symmReduceScatter(s, x, ccp(a.send) + lo * es, cp(a.recv) + (lo + B.off[l]) * es, B, a.type, op1,
+                          prm);
       },
       [&](size_t k) {
         const size_t lo = k * C;
@@ -499,17 +501,20 @@ void registerHierAlgorithms(std::deque<Algorithm>& out) {
     out.push_back(Algorithm{coll, "hier_pipelined", summary, hierApplies, run, true});
   };
   add(CollType::kAllreduce,
-      "chunks: symm reduce-scatter in the node | p2p allreduce per local index (helper thread) | symm allgather",
+      "chunks: symm reduce-scatter in the node | p2p allreduce per local index (helper thread) | symm "
+      "allgather",
       allreduceHierPipelined);
   add(CollType::kReduceScatter,
       "chunks: symm reduce-scatter of each node's blocks | exchange + combine partials across nodes",
       reduceScatterHierPipelined);
-  add(CollType::kAllgather, "chunks: exchange blocks across nodes per local index | symm allgather in the node",
+  add(CollType::kAllgather,
+      "chunks: exchange blocks across nodes per local index | symm allgather in the node",
       allgatherHierPipelined);
   add(CollType::kAlltoall,
       "chunks: symm alltoallv gathers each node's blocks per local index | one message per node pair",
       alltoallHierPipelined);
-  add(CollType::kBroadcast, "chunks: chain across nodes on the root's local index | symm broadcast in the node",
+  add(CollType::kBroadcast,
+      "chunks: chain across nodes on the root's local index | symm broadcast in the node",
       broadcastHierPipelined);
 }
 

@@ -399,7 +399,8 @@ std::vector<Case> matrix(int p, bool multi = false) {
               Case{CollType::kAllreduce, algo, n, (ti + oi + n) % 2 == 0, size_t((oi + n) % 2), t, op});
       if (multi) {
         cases.push_back(Case{CollType::kAllreduce, "hier_pipelined", 1031, (ti + oi) % 2 == 1, 1, t, op});
-        cases.push_back(Case{CollType::kReduceScatter, "hier_pipelined", 7, oi % 2 == 0, size_t(ti % 2), t, op});
+        cases.push_back(
+            Case{CollType::kReduceScatter, "hier_pipelined", 7, oi % 2 == 0, size_t(ti % 2), t, op});
       }
       cases.push_back(Case{CollType::kReduce, "binomial", 7, false, 0, t, op, (ti + oi) % p});
       cases.push_back(Case{CollType::kReduce, "symm", 9001, oi % 2 == 0, 1, t, op, (ti + oi + 1) % p});
@@ -530,8 +531,8 @@ std::vector<Case> hierMatrix(int p) {
       if (!isSupported(t, op)) continue;
       cases.push_back(Case{CollType::kAllreduce, "hier_pipelined", (ti + oi) % 2 ? size_t{1031} : size_t{7},
                            (ti + oi) % 2 == 0, size_t(oi % 2), t, op});
-      cases.push_back(Case{CollType::kReduceScatter, "hier_pipelined", (ti + oi) % 2 ? size_t{7} : size_t{1031},
-                           oi % 2 == 1, size_t(ti % 2), t, op});
+      cases.push_back(Case{CollType::kReduceScatter, "hier_pipelined",
+                           (ti + oi) % 2 ? size_t{7} : size_t{1031}, oi % 2 == 1, size_t(ti % 2), t, op});
     }
   return cases;
 }
@@ -572,7 +573,8 @@ TEST_P(HierMatrix, PipelinedAlgorithms) {
         runCases(coll, *comm, hierMatrix(comm->size()), 24, 300);
         // Table selection picks them for large buffers (>= 4 ranks).
         if (comm->size() >= 4) {
-          CollArgs big = CollArgs::of(CollType::kAllreduce, nullptr, nullptr, size_t{4} << 20, DataType::kFloat32);
+          CollArgs big =
+              CollArgs::of(CollType::kAllreduce, nullptr, nullptr, size_t{4} << 20, DataType::kFloat32);
           EXPECT_EQ(selectAlgorithm(big, *comm, "", AlgoOverride{}).algorithm->name, "hier_pipelined");
           big.coll = CollType::kAllgather;
           EXPECT_EQ(selectAlgorithm(big, *comm, "", AlgoOverride{}).algorithm->name, "hier_pipelined");
