@@ -20,4 +20,12 @@ template <class T>
 void decodeRowHost(PayloadCodec codec, const uint8_t* payload, const void* scales, size_t hidden, T* out,
                    float global_scale);
 
+// Host encode of one row, the bytes of quantizeRow (checked on every bf16 input pattern by
+// test_moe_host_codec). fp8 block-128 and MXFP8 round with lane-parallel selects instead of
+// the shared per-element branch (a target subnormal rounds with an exact float addition at
+// its quantum), so the compiler vectorizes the loop; kNvfp4 uses quantizeRow.
+template <class T>
+void encodeRowHost(PayloadCodec codec, const T* x, size_t hidden, uint8_t* payload, void* scales,
+                   float global_scale);
+
 }  // namespace crossbar::moe

@@ -334,11 +334,11 @@ void MoeBuffer::Impl::encodeRow(const void* x, size_t t, const int64_t* topk_idx
   if (!quantized()) {
     std::memcpy(out + off_payload, src, H * es);
   } else if (cfg.dtype == DataType::kFloat32) {
-    quantizeRow(payloadCodec(cfg.format), reinterpret_cast<const float*>(src), H, out + off_payload,
-                out + off_scales, gscale);
+    encodeRowHost(payloadCodec(cfg.format), reinterpret_cast<const float*>(src), H, out + off_payload,
+                  out + off_scales, gscale);
   } else {
-    quantizeRow(payloadCodec(cfg.format), reinterpret_cast<const BFloat16*>(src), H, out + off_payload,
-                out + off_scales, gscale);
+    encodeRowHost(payloadCodec(cfg.format), reinterpret_cast<const BFloat16*>(src), H, out + off_payload,
+                  out + off_scales, gscale);
   }
 }
 
