@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "collectives/algorithms.h"
 #include "collectives/cma.h"
@@ -54,6 +55,9 @@ SymmStaging::SymmStaging(std::shared_ptr<Communicator> comm, size_t bytes, size_
   buf_ = heap_.allocate(2 * half_ + meta_bytes);
   owed_.resize(size_);
   seen_.assign(static_cast<size_t>(kChannels) * size_, 0);
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores == 0 || static_cast<unsigned>(comm_->localSize()) <= cores)
+    spin_ = std::chrono::microseconds(std::max<int64_t>(env::getInt("CROSSBAR_SPIN_US"), 0));
   probeCma();
   CB_INFO("coll", "{}: symmetric staging of 2 x {} bytes per rank, chunks of up to {} bytes; single copy {}",
           comm_->name(), half_, chunk_, cma_ ? "(CMA) on" : "off: " + cma_reason_);
@@ -128,6 +132,12 @@ void SymmStaging::wait(int peer, int channel, Deadline deadline) {
   telemetry::PeerWait waiting(peer, !reached());  // the op's wait for its peers (telemetry)
   if (!reached()) {
     for (int i = 0; i < 256 && !reached(); ++i) __builtin_ia32_pause();
+    if (spin_ > Clock::duration::zero()) {
+      // Every rank has a core: keep spinning without syscalls (the peer is running).
+      const auto spin_until = Clock::now() + spin_;
+      while (!reached() && Clock::now() < spin_until)
+        for (int i = 0; i < 32; ++i) __builtin_ia32_pause();
+    }
     const auto yield_until = Clock::now() + kYieldPhase;
     while (!reached() && Clock::now() < yield_until) sched_yield();
   }

@@ -64,7 +64,8 @@ class SymmStaging {
   // READY to `reader`, who now owes a FREE for half h.
   void publish(int h, int reader);
   void notify(int peer, int channel) { buf_->putSignal(peer, channel); }
-  // Next signal from `peer` on `channel`: a short spin, then yielding the core (with
+  // Next signal from `peer` on `channel`: a spin (CROSSBAR_SPIN_US when this node's
+  // ranks have a core each, else a few hundred pauses), then yielding the core (with
   // more ranks than cores the peer may be waiting for this very core), then the
   // symmetric buffer's blocking wait (futex, deadline, peer-failure checks).
   void wait(int peer, int channel, Deadline deadline);
@@ -106,6 +107,7 @@ class SymmStaging {
   int rank_ = 0, size_ = 0;
   size_t half_ = 0, chunk_ = 0;
   uint64_t base_ = 0;
+  Clock::duration spin_{};  // pure spin before yielding: CROSSBAR_SPIN_US when ranks <= cores
   std::vector<std::deque<uint8_t>> owed_;  // by reader: halves it still has to release, oldest first
   std::vector<uint64_t> seen_;             // [channel * size + peer]: signals consumed so far
   bool cma_ = false;
