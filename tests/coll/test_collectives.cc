@@ -586,7 +586,7 @@ TEST_P(HierMatrix, PipelinedAlgorithms) {
 
 INSTANTIATE_TEST_SUITE_P(Nodes, HierMatrix,
                          ::testing::Values(HierConfig{2, 2}, HierConfig{2, 3}, HierConfig{3, 2},
-                                           HierConfig{4, 2}),
+                                           HierConfig{4, 2}, HierConfig{4, 1}),
                          [](const auto& info) {
                            return fmt::format("{}x{}", info.param.nodes, info.param.per_node);
                          });
