@@ -55,6 +55,7 @@ struct Options {
   int max_nodes = kAutoMaxNodes;
   size_t tokens = 512, hidden = 7168;
   std::string rate = "auto";
+  int queue_ms = 200;  // tbf latency: the longest a packet may queue at a link
   DataType combine_wire = DataType::kBFloat16;  // two-level combine's partials on the network
   bool netns = true;
   bool phases = false;  // print where the two-level time goes (MoeMetrics::phases)
@@ -80,7 +81,8 @@ std::string shell(const std::string& cmd, int* status) {
 // not collide; namespaces left by a killed run (its pid gone) are removed on the next start.
 class NetnsTopology {
  public:
-  NetnsTopology(int nodes, const std::string& rate) : prefix_(fmt::format("cbxmoe{}", getpid())) {
+  NetnsTopology(int nodes, const std::string& rate, int queue_ms)
+      : prefix_(fmt::format("cbxmoe{}", getpid())) {
     sweepStale();
     run("ip netns add " + sw());
     created_.push_back(sw());
@@ -102,7 +104,8 @@ class NetnsTopology {
       run(fmt::format("ip -n {} link set {} master br0", sw(), b));
       run(fmt::format("ip -n {} link set {} up", sw(), b));
       // Both directions of the node's link: its egress, and the switch port towards it.
-      const std::string tbf = fmt::format("tbf rate {} burst {} latency 200ms", rate, burstFor(rate));
+      const std::string tbf =
+          fmt::format("tbf rate {} burst {} latency {}ms", rate, burstFor(rate), queue_ms);
       run(fmt::format("ip netns exec {} tc qdisc add dev cbx0 root {}", ns, tbf));
       run(fmt::format("ip netns exec {} tc qdisc add dev {} root {}", sw(), b, tbf));
     }
@@ -633,6 +636,8 @@ int main(int argc, char** argv) {
         o.warmup = std::max(0, std::stoi(next()));
       else if (a == "--rate")
         o.rate = next();
+      else if (a == "--queue-ms")
+        o.queue_ms = std::max(1, std::stoi(next()));
       else if (a == "--combine-wire") {
         std::string w = next();
         if (w != "bf16" && w != "f32") throw InvalidArgument("--combine-wire: bf16 or f32");
@@ -675,7 +680,7 @@ int main(int argc, char** argv) {
       }
       double bw = memcpyBandwidth();
       if (o.rate == "auto") o.rate = fmt::format("{}mbit", static_cast<uint64_t>(bw / 3 * 8 / 1e6));
-      topo = std::make_unique<NetnsTopology>(o.nodes, o.rate);
+      topo = std::make_unique<NetnsTopology>(o.nodes, o.rate, o.queue_ms);
       link = fmt::format("namespaces, inter-node links tc tbf {} each way (memcpy {:.1f} GB/s)", o.rate,
                          bw / 1e9);
     }

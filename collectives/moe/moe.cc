@@ -169,6 +169,29 @@ struct MoeBuffer::Impl {
   bool quantized() const { return cfg.format != PayloadFormat::kNative; }
 
   Layout layout(const int64_t* topk_idx, size_t tokens, int num_experts, const char* op) const;
+  // Waits until on-node `peer`'s signal counter on `channel` of `buf` reaches `value`,
+  // progressing the network meanwhile while any of `reqs` is pending (a sleeping rank would
+  // leave its peers' rendezvous unanswered and its sockets undrained).
+  void waitCounter(symm::SymmetricBuffer& buf, int peer, int channel, uint64_t value,
+                   const std::vector<std::vector<RequestPtr>>& reqs, Deadline dl, const char* op) const {
+    while (buf.signalValue(peer, channel) < value) {
+      RequestPtr pending;
+      for (const auto& list : reqs)
+        for (const auto& r : list)
+          if (!pending && !r->done()) pending = r;
+      if (!pending || !pending->engine()) {
+        buf.waitSignalValue(peer, channel, value, dl);
+        return;
+      }
+      if (dl.expired())
+        throw Timeout(ctx(op) + fmt::format("rank {} did not write its rows within the deadline; check that "
+                                            "every rank calls combine",
+                                            peer),
+                      {peer});
+      pending->engine()->waitUntil([&] { return pending->done() || buf.signalValue(peer, channel) >= value; },
+                                   Deadline::after(Millis(1)));
+    }
+  }
   void encodeRow(const void* x, size_t t, const int64_t* topk_idx, const float* w, float gscale,
                  uint8_t* out) const;
   void decodeRow(const uint8_t* rec, void* out) const;
@@ -652,12 +675,20 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   std::vector<uint8_t> header_in(im.N, 0);
   int headers_left = im.N - 1;
   bool counts_out = false, final_out = false;
-  auto pendingNet = [&]() -> RequestPtr {
+  auto pendingRecv = [&]() -> RequestPtr {
     for (int m = 0; m < im.N; ++m) {
       if (m == im.me_node) continue;
       if (!header_in[m]) return hdr_req[m];
       if (next_chunk[m] < chunks[m].size()) return chunks[m][next_chunk[m]];
     }
+    return nullptr;
+  };
+  // Any unfinished network request: waiting on it progresses the transports, which our sends
+  // need too (a rendezvous reply, a socket that drained), so idle waits never stall a peer.
+  auto pendingNet = [&]() -> RequestPtr {
+    if (RequestPtr r = pendingRecv()) return r;
+    for (const auto& r : sends)
+      if (!r->done()) return r;
     return nullptr;
   };
   while (true) {
@@ -723,7 +754,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
           moved = true;
         }
       }
-      if (!pendingNet()) {
+      if (!pendingRecv()) {
         for (int lj = 0; lj < im.L; ++lj) publish(lj, kSlotFinal);
         final_out = true;
         moved = true;
@@ -908,7 +939,8 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   // it is summed: chunk k crosses the network while chunk k+1 is being summed.
   for (int j = 0; j < im.L; ++j) {
     int d = im.node_ranks[im.me_node][j];
-    if (d != im.rank) im.cbuf->waitSignal(d, kCombineData, dl);
+    // One kCombineData signal per call from every local rank (a counter, never consumed).
+    if (d != im.rank) im.waitCounter(*im.cbuf, d, kCombineData, im.combines + 1, recvs, dl, op);
   }
   clk.lap("wait local");
   size_t nf = 0;
