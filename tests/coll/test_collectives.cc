@@ -766,6 +766,54 @@ TEST(Collectives, TimeoutsMismatchesAndStickyErrors) {
   });
 }
 
+// A rank of node 1 never joins: the pipelined algorithms (helper thread mid-pipeline on
+// node 0, intra-node wait on node 1) end with Timeout at the operation's deadline, and
+// the helper thread is joined (no hang, no crash at exit).
+TEST(Collectives, HierPipelinedMissingRankTimesOut) {
+  RunOptions opts;
+  opts.env["CROSSBAR_RANKS_PER_NODE"] = "2";
+  opts.env["CROSSBAR_COLL_HIER_CHUNK"] = "1K";
+  opts.env["CROSSBAR_CHECK_CALLS"] = "off";  // else the call check is what times out
+  runRanks(
+      4,
+      [](RankEnv& env) {
+        auto comm = env.communicator();
+        const int me = comm->rank();
+        Collectives coll(comm);
+        CollOptions o;
+        o.algorithm = "hier_pipelined";
+        {
+          // Together once: creates the sub-communicators and the staging (collective
+          // set-up, which waits with the communicator's own, long timeout).
+          std::vector<float> in(4096, 1.0f), out(4096);
+          coll.allreduce(in.data(), out.data(), 4096, DataType::kFloat32, ReduceOp::kSum, o)->wait();
+          ASSERT_EQ(out[4095], 4.0f);
+        }
+        if (me == 3) {
+          std::this_thread::sleep_for(Millis(4000));  // stay alive: the others see a timeout, not a death
+          return;
+        }
+        o.timeout = Millis(500);
+        for (CollType c : {CollType::kAllreduce, CollType::kAllgather}) {
+          if (me == 2 && c == CollType::kAllgather) break;  // its staging now waits on rank 3's next op
+          std::vector<float> in(4096 * 4, 1.0f), out(4096 * 4);
+          auto t0 = Clock::now();
+          WorkPtr w = c == CollType::kAllreduce
+                          ? coll.allreduce(in.data(), out.data(), 4096, DataType::kFloat32, ReduceOp::kSum, o)
+                          : coll.allgather(in.data(), out.data(), 4096, DataType::kFloat32, o);
+          try {
+            w->wait();
+            ADD_FAILURE() << collTypeName(c) << " finished without rank 3";
+          } catch (const Error& e) {
+            // The first op times out; the second fails at once on the sticky error.
+            EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+          }
+          EXPECT_LT(Clock::now() - t0, std::chrono::seconds(3)) << collTypeName(c);
+        }
+      },
+      opts);
+}
+
 // Bus bandwidth (nccl-tests definitions) of the table's choices; not a test, run with
 // --gtest_also_run_disabled_tests --gtest_filter='*Busbw*'.
 TEST(Collectives, DISABLED_Busbw) {
