@@ -11,11 +11,12 @@
 //
 //   moe_netns_bench [--nodes 2] [--ranks-per-node 2] [--tokens 512] [--hidden 7168]
 //                   [--experts 256] [--topk 8] [--max-nodes M] [--formats native,fp8]
-//                   [--rate auto|<tc rate, e.g. 2gbit>] [--iters 5] [--warmup 1]
+//                   [--rate auto|<tc rate, e.g. 2gbit>] [--queue-ms 200] [--iters 5] [--warmup 1]
 //                   [--combine-wire bf16|f32] [--no-netns] [--phases]
 //
 // Every run first checks that both paths deliver the same tokens (bit for bit) and the same
-// combine sums (f32 tolerance); a mismatch exits 1. Times are the slowest rank's mean.
+// combine sums (f32 tolerance); a mismatch exits 1. Times: the median over iterations of
+// the slowest rank.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sched.h>
@@ -25,6 +26,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -480,7 +482,8 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
   print(fmt::format("# {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10} {:>10}\n", "format",
                     "2l disp", "2l comb", "2l total", "flat disp", "flat comb", "flat total", "speedup",
                     "2l net MB", "flat MB"));
-  print("# (times in ms, slowest rank's mean; net MB: inter-node bytes per rank, dispatch + combine)\n");
+  print("# (times in ms: median over iterations of the slowest rank; net MB: inter-node bytes per rank, "
+        "dispatch + combine)\n");
   RoutingOptions ro;
   ro.num_experts = E;
   ro.topk = o.topk;
@@ -515,7 +518,9 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
       ++failures;
       continue;
     }
-    double t[4] = {0, 0, 0, 0};
+    // Per timed iteration, the slowest rank's time of each of the four operations; the table
+    // shows their median over iterations (a busy machine's stalls hit single iterations).
+    std::vector<std::array<double, 4>> per_iter;
     double net2 = 0, netf = 0;
     std::vector<double> disp_phases, comb_phases;
     for (int it = 0; it < o.warmup + o.iters; ++it) {
@@ -544,16 +549,23 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
       auto t7 = Clock::now();
       if (!timed) continue;
       auto sec = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
-      t[0] += sec(t0, t1);
-      t[1] += sec(t2, t3);
-      t[2] += sec(t4, t5) + sec(t6, t6b);  // decoding belongs to the flat dispatch
-      t[3] += sec(t6b, t7);
+      std::array<double, 4> it_t{sec(t0, t1), sec(t2, t3),
+                                 sec(t4, t5) + sec(t6, t6b),  // decoding belongs to the flat dispatch
+                                 sec(t6b, t7)};
+      coll.allreduce(it_t.data(), it_t.data(), 4, DataType::kFloat64, ReduceOp::kMax)->wait();
+      per_iter.push_back(it_t);
       addPhases(d.metrics, kDispatchPhases, disp_phases);
       addPhases(c.metrics, kCombinePhases, comb_phases);
       net2 = static_cast<double>(d.metrics.inter_node_bytes + c.metrics.inter_node_bytes);
       netf = static_cast<double>(flat_disp_bytes + flat.networkBytes());
     }
-    for (double& v : t) v = maxOf(v / o.iters) * 1e3;
+    double t[4];
+    for (int q = 0; q < 4; ++q) {
+      std::vector<double> v;
+      for (const auto& a : per_iter) v.push_back(a[q]);
+      std::sort(v.begin(), v.end());
+      t[q] = (v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2) * 1e3;
+    }
     if (o.phases) {
       // Slowest rank's mean per phase: where the two-level time goes.
       auto line = [&](const char* what, const std::vector<const char*>& names, std::vector<double>& acc) {
@@ -661,7 +673,7 @@ int main(int argc, char** argv) {
       } else {
         std::fprintf(stderr,
                      "usage: %s [--nodes N] [--ranks-per-node L] [--tokens T] [--hidden H] [--experts E] "
-                     "[--topk k] [--max-nodes M] [--formats bf16,fp8,mxfp8] [--rate auto|2gbit] [--iters n] "
+                     "[--topk k] [--max-nodes M] [--formats bf16,fp8,mxfp8] [--rate auto|2gbit] [--queue-ms ms] [--iters n] "
                      "[--warmup n] [--combine-wire bf16|f32] [--no-netns] [--phases]\n",
                      argv[0]);
         return a == "--help" || a == "-h" ? 0 : 2;

@@ -154,6 +154,7 @@ struct MoeBuffer::Impl {
   size_t row = 0, fmax = 0, dslot = 0, cslot = 0, slot_hdr = 16;
   std::vector<uint64_t> dsig_base;  // [local j]: dispatch-data signals forwarder j sent before this call
   size_t chunk = 1;          // rows per network chunk
+  size_t net_msg = 0;        // bytes per network message (a chunk is several); 0: one per chunk
   std::vector<uint8_t> enc;  // this call's encoded tokens
   symm::SymmetricHeap heap;
   std::shared_ptr<symm::SymmetricBuffer> dbuf, cbuf;
@@ -169,6 +170,20 @@ struct MoeBuffer::Impl {
   bool quantized() const { return cfg.format != PayloadFormat::kNative; }
 
   Layout layout(const int64_t* topk_idx, size_t tokens, int num_experts, const char* op) const;
+  // A chunk crosses the network as messages of at most net_msg bytes on one tag (matched in
+  // order): small enough to go eagerly, so no chunk waits for a rendezvous reply.
+  void sendPieces(std::vector<RequestPtr>& out, const uint8_t* p, size_t bytes, int peer, uint32_t tag) {
+    const size_t step = net_msg ? net_msg : bytes;
+    for (size_t off = 0; off < bytes; off += step)
+      out.push_back(comm->isend(p + off, std::min(step, bytes - off), peer, tag));
+  }
+  std::vector<RequestPtr> recvPieces(uint8_t* p, size_t bytes, int peer, uint32_t tag) {
+    std::vector<RequestPtr> out;
+    const size_t step = net_msg ? net_msg : bytes;
+    for (size_t off = 0; off < bytes; off += step)
+      out.push_back(comm->irecv(p + off, std::min(step, bytes - off), peer, tag));
+    return out;
+  }
   // Waits until on-node `peer`'s signal counter on `channel` of `buf` reaches `value`,
   // progressing the network meanwhile while any of `reqs` is pending (a sleeping rank would
   // leave its peers' rendezvous unanswered and its sockets undrained).
@@ -279,6 +294,14 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
   }
   im->slot_hdr = align16(16 + 8 * static_cast<size_t>(im->N));
   im->dslot = im->slot_hdr + im->fmax * im->row;
+  {
+    const int64_t mb = env::getInt("CROSSBAR_MOE_NET_MESSAGE_BYTES");
+    if (mb < 0)
+      throw InvalidArgument(im->ctx(op) + fmt::format("CROSSBAR_MOE_NET_MESSAGE_BYTES={}: use 0 (one message per "
+                                                      "chunk) or a positive size",
+                                                      mb));
+    im->net_msg = static_cast<size_t>(mb);
+  }
   im->dsig_base.assign(im->L, 0);
   im->cslot = im->fmax * cfg.hidden * sizeof(float);
 
@@ -483,8 +506,8 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
       uint8_t* buf = im.net_send[m].data();
       for (size_t i = lo; i < hi; ++i) std::memcpy(buf + i * row, encodedRow(list[i]), row);
       clk.lap("encode");
-      sends.push_back(im.comm->isend(buf + lo * row, (hi - lo) * row, im.node_ranks[m][im.me_local],
-                                     tag + 1 + static_cast<uint32_t>(c)));
+      im.sendPieces(sends, buf + lo * row, (hi - lo) * row, im.node_ranks[m][im.me_local],
+                    tag + 1 + static_cast<uint32_t>(c));
       pump(sends);
       clk.lap("post");
     }
@@ -670,7 +693,12 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   };
 
   // Headers, then chunks as they arrive; between them, decode what the forwarders published.
-  std::vector<std::vector<RequestPtr>> chunks(im.N);
+  std::vector<std::vector<std::vector<RequestPtr>>> chunks(im.N);  // [node][chunk]: its messages
+  auto chunkIn = [](const std::vector<RequestPtr>& pieces) {
+    for (const auto& r : pieces)
+      if (!r->done() && !r->test()) return false;
+    return true;
+  };
   std::vector<size_t> next_chunk(im.N, 0);
   std::vector<uint8_t> header_in(im.N, 0);
   int headers_left = im.N - 1;
@@ -679,7 +707,9 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     for (int m = 0; m < im.N; ++m) {
       if (m == im.me_node) continue;
       if (!header_in[m]) return hdr_req[m];
-      if (next_chunk[m] < chunks[m].size()) return chunks[m][next_chunk[m]];
+      if (next_chunk[m] < chunks[m].size())
+        for (const auto& r : chunks[m][next_chunk[m]])
+          if (!r->done()) return r;
     }
     return nullptr;
   };
@@ -711,8 +741,8 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
       h->fwd_chunk[m] = cm;
       for (size_t c = 0, nc = dataChunks(count, cm); c < nc; ++c) {
         const size_t lo = c * cm, hi_row = std::min<size_t>(count, lo + cm);
-        chunks[m].push_back(im.comm->irecv(im.net_recv[m].data() + lo * row, (hi_row - lo) * row, peer,
-                                           tag + 1 + static_cast<uint32_t>(c)));
+        chunks[m].push_back(im.recvPieces(im.net_recv[m].data() + lo * row, (hi_row - lo) * row, peer,
+                                          tag + 1 + static_cast<uint32_t>(c)));
       }
       header_in[m] = 1;
       --headers_left;
@@ -741,7 +771,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     if (counts_out && !final_out) {
       for (int m = 0; m < im.N; ++m) {
         if (m == im.me_node) continue;
-        while (next_chunk[m] < chunks[m].size() && chunks[m][next_chunk[m]]->test()) {
+        while (next_chunk[m] < chunks[m].size() && chunkIn(chunks[m][next_chunk[m]])) {
           clk.lap("wait net");
           const size_t c = next_chunk[m]++, cm = h->fwd_chunk[m], lo = c * cm;
           const size_t hi_row = std::min(h->fwd_count[m], lo + cm);
@@ -921,15 +951,17 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   const bool wire16 = im.cfg.combine_wire == DataType::kBFloat16;
   const size_t ws = wire16 ? 2 : 4;
   std::vector<std::vector<uint8_t>> back(im.N);
-  std::vector<std::vector<RequestPtr>> recvs(im.N);
+  std::vector<std::vector<RequestPtr>> recvs(im.N);                     // [node]: every message
+  std::vector<std::vector<std::vector<RequestPtr>>> recv_chunks(im.N);  // [node][chunk]: its messages
   for (int m = 0; m < im.N; ++m) {
     const size_t count = h.node_send[m].size();
     if (m == im.me_node || count == 0) continue;
     back[m].resize(count * H * ws);
     for (size_t lo = 0, c = 0; lo < count; lo += h.chunk, ++c) {
       const size_t rows = std::min(h.chunk, count - lo);
-      recvs[m].push_back(im.comm->irecv(back[m].data() + lo * H * ws, rows * H * ws,
-                                        im.node_ranks[m][im.me_local], tag + static_cast<uint32_t>(c)));
+      recv_chunks[m].push_back(im.recvPieces(back[m].data() + lo * H * ws, rows * H * ws,
+                                             im.node_ranks[m][im.me_local], tag + static_cast<uint32_t>(c)));
+      recvs[m].insert(recvs[m].end(), recv_chunks[m].back().begin(), recv_chunks[m].back().end());
     }
   }
   clk.lap("post");
@@ -984,8 +1016,8 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
         src = b;
       }
       clk.lap("reduce");
-      sends.push_back(im.comm->isend(src, (hi - lo) * H * ws, im.node_ranks[m][im.me_local],
-                                     tag + static_cast<uint32_t>(c)));
+      im.sendPieces(sends, static_cast<const uint8_t*>(src), (hi - lo) * H * ws, im.node_ranks[m][im.me_local],
+                    tag + static_cast<uint32_t>(c));
       res.metrics.inter_node_bytes += (hi - lo) * H * ws;
       pump(sends);
       clk.lap("post");
@@ -1010,7 +1042,7 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
     for (size_t i = 0; i < list.size(); ++i) {
       if (!own && i % h.chunk == 0) {
         clk.lap("sum");
-        recvs[m][i / h.chunk]->wait(dl);
+        im.comm->waitAll(recv_chunks[m][i / h.chunk], dl);
         clk.lap("wait net");
       }
       float* o = res.out.data() + static_cast<size_t>(list[i]) * H;
