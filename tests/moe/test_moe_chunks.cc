@@ -146,9 +146,10 @@ void body(RankEnv& env) {
   EXPECT_THROW(MoeBuffer::create(comm, bad), InvalidArgument);
 }
 
-void runTopology(int ranks, int per_node) {
+void runTopology(int ranks, int per_node, const char* net_message_bytes = nullptr) {
   RunOptions o;
   if (per_node < ranks) o.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(per_node);
+  if (net_message_bytes) o.env["CROSSBAR_MOE_NET_MESSAGE_BYTES"] = net_message_bytes;
   runRanks(ranks, body, o);
 }
 
@@ -157,6 +158,13 @@ TEST(MoeChunks, Topology2x2) {
 }
 TEST(MoeChunks, Topology3x1) {
   runTopology(3, 1);
+}
+// Network messages smaller than a row (pieces split rows), and one message per chunk.
+TEST(MoeChunks, NetMessagesSplitRows) {
+  runTopology(4, 2, "100");
+}
+TEST(MoeChunks, NetMessagePerChunk) {
+  runTopology(3, 1, "0");
 }
 
 }  // namespace
