@@ -40,6 +40,10 @@ void read(pid_t pid, void* local, const void* remote, size_t bytes, int rank, in
     const ssize_t n = process_vm_readv(pid, &l, 1, &r, 1, 0);
     if (n <= 0) {
       if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == ESRCH)  // the peer exited: the fault-tolerance layer needs PeerFailure naming it
+        throw PeerFailure(fmt::format("{}rank {} (pid {}) exited during a single-copy read",
+                                      errorContext(rank, op), peer, pid),
+                          {peer});
       throw SystemError(fmt::format("{}single-copy read of {} bytes from rank {} (pid {}) at {} failed: {}; "
                                     "was its buffer freed early, or did it exit? Set CROSSBAR_COLL_CMA=off to "
                                     "use the staged path",

@@ -224,8 +224,6 @@ namespace {
 constexpr size_t K = 1024, M = 1024 * 1024;
 constexpr size_t kInf = std::numeric_limits<size_t>::max();
 constexpr int kAnyRanks = std::numeric_limits<int>::max();
-// Smallest nccl-tests size for the single-copy (CMA) data movers.
-constexpr size_t kCmaMin = 32 * K;
 }  // namespace
 
 // Thresholds: latency-bound algorithms (log p rounds of the whole buffer) below the
@@ -235,25 +233,22 @@ const std::vector<SelectionRule>& selectionTable() {
       // One node: symmetric memory (symm_algorithms.cc). One-shot while reading every
       // peer's whole buffer is cheaper than a second synchronization round; streaming
       // output stores once the result no longer fits in cache with the staging.
+      // Two ranks: one-shot up to 4 MiB (each rank reads one peer: less traffic than
+      // two-shot and one round instead of two; measured faster 256K-4M).
+      {CollType::kAllreduce, 0, 4 * M, 2, 2, NodeScope::kSingle, "oneshot"},
       {CollType::kAllreduce, 0, 64 * K, 1, 8, NodeScope::kSingle, "oneshot"},
       {CollType::kAllreduce, 0, 1 * M, 1, kAnyRanks, NodeScope::kSingle, "twoshot"},
       {CollType::kAllreduce, 1 * M, kInf, 1, kAnyRanks, NodeScope::kSingle, "twoshot_nt"},
-      // Data movement: single copy (CMA: read the peer's user buffer; it falls back to
-      // the staged path by itself when CMA is unavailable) once the syscall and the
-      // extra DONE round cost less than the second copy through the staging.
-      {CollType::kAllgather, kCmaMin, kInf, 1, kAnyRanks, NodeScope::kSingle, "cma"},
+      // Data movement: staged ("symm"). The single-copy "cma" algorithms (peers read the
+      // user buffer with process_vm_readv) measured slower on this VM at 256K-16M, 2 and
+      // 4 ranks (docs/performance.md): select them with CROSSBAR_ALGO where CMA is fast.
       {CollType::kAllgather, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
       {CollType::kReduceScatter, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
-      {CollType::kBroadcast, kCmaMin, kInf, 1, kAnyRanks, NodeScope::kSingle, "cma"},
       {CollType::kBroadcast, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
       {CollType::kReduce, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
-      {CollType::kAlltoall, kCmaMin, kInf, 1, kAnyRanks, NodeScope::kSingle, "cma"},
       {CollType::kAlltoall, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
-      {CollType::kAlltoallv, kCmaMin, kInf, 1, kAnyRanks, NodeScope::kSingle, "cma"},
       {CollType::kAlltoallv, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
-      {CollType::kGather, kCmaMin, kInf, 1, kAnyRanks, NodeScope::kSingle, "cma"},
       {CollType::kGather, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
-      {CollType::kScatter, kCmaMin, kInf, 1, kAnyRanks, NodeScope::kSingle, "cma"},
       {CollType::kScatter, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "symm"},
       // Several nodes: symmetric memory inside each node, point-to-point across,
       // pipelined in chunks (CROSSBAR_COLL_HIER_CHUNK) so the inter-node phase of a
