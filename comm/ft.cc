@@ -302,16 +302,19 @@ void FailureDetector::probe(bool send, const std::set<int>& known, std::vector<P
         p.recv.reset();
       }
       if (send && !p.broken) {
-        std::erase_if(p.sends, [](const RequestPtr& r) { return r->test(); });
+        // The receive's test() progressed; a failed send rethrows here, outside the
+        // erase (a throwing predicate would leave moved-from, null entries behind).
+        for (const auto& r : p.sends) r->rethrowIfFailed();
+        std::erase_if(p.sends, [](const RequestPtr& r) { return r->done(); });
         if (p.sends.size() < kMaxProbeSends) p.sends.push_back(comm_->isend(nullptr, 0, p.rank, kProbeTag));
       }
     } catch (const std::exception& e) {
+      p.recv.reset();  // zero-byte requests: the transport may complete them after we let go
+      p.sends.clear();
       if (comm_->aborted()) return;  // the epoch ended: not this peer's doing
       if (!p.broken)
         CB_INFO("ft", "epoch {}: data-path probe to rank {} failed: {}", epoch_, p.rank, e.what());
       p.broken = true;  // silent from now on; the check below decides what it means
-      p.recv.reset();
-      p.sends.clear();
     }
     // Silent on the data path, yet its store heartbeat is fresh: the process runs but
     // the network between us does not carry its messages.
@@ -459,6 +462,19 @@ std::vector<PeerFault> FailureDetector::classify(const std::vector<int>& ranks) 
     std::this_thread::sleep_for(Millis(10));
   }
   if (!found.empty() || !revoked_.load()) revoke(found, fmt::format("detected by rank {}", rank_));
+  return faults();
+}
+
+std::vector<PeerFault> FailureDetector::blameDead(const std::vector<int>& ranks, const std::string& why) {
+  std::vector<PeerFault> dead;
+  for (int r : ranks) {
+    char state;
+    if (r >= 0 && r < static_cast<int>(members_.size()) && r != rank_ && !leftCleanly(r) &&
+        processGone(r, &state))
+      dead.push_back(PeerFault{r, FailureKind::kDead, members_[r].host, members_[r].pid, rank_,
+                               "an operation on it failed; process gone"});
+  }
+  revoke(dead, dead.empty() ? why : fmt::format("detected by rank {}", rank_));
   return faults();
 }
 
@@ -646,6 +662,7 @@ std::vector<PeerFault> FaultTolerantComm::handleError(const std::exception& erro
   if (detector_->revoked()) return detector_->faults();
   if (e && !e->peers().empty() && (e->code() == ErrorCode::kPeerFailure || e->code() == ErrorCode::kTimeout))
     return detector_->classify(e->peers());
+  if (e && !e->peers().empty()) return detector_->blameDead(e->peers(), error.what());
   detector_->revoke({}, error.what());
   return detector_->faults();
 }

@@ -136,6 +136,9 @@ class FailureDetector {
   // Peers that turn out to be alive count as unreachable only if nobody revoked the
   // epoch meanwhile (a survivor's abort is not a cut link).
   std::vector<PeerFault> classify(const std::vector<int>& ranks);
+  // For other errors that name peers (a failed system call on a peer's memory, ...):
+  // those of `ranks` whose process is gone are dead; revokes (blaming nobody else).
+  std::vector<PeerFault> blameDead(const std::vector<int>& ranks, const std::string& why);
   void stop();
 
  private:

@@ -144,7 +144,9 @@ TEST(FtKill, DISABLED_Soak) {
 
 // The hang test runs the default (symmetric-memory) algorithms: their signal waits
 // observe the revoke (Context::aborted) within one 100 ms wait slice.
-RunOptions hangRun() { return ftRun(2000, false); }
+RunOptions hangRun() {
+  return ftRun(2000, false);
+}
 
 // A stopped rank is hung, not dead: a short stop loses nothing; a long one is
 // reported as Timeout, the others shrink, and the resumed rank learns it was excluded.

@@ -172,8 +172,9 @@ TEST(FtNetns, CutLinkShrinkRestoreGrow) {
 
         // One line from one process (never parsed): what the run measured.
         if (ft->rank() == 0) {
-          std::string line = fmt::format("cut link (seed {}, detect timeout {} ms), {} of {} ranks stayed, ms after the cut:",
-                                         seed, kDetectMs, toString(env.store->get("test/survivors")), n);
+          std::string line = fmt::format(
+              "cut link (seed {}, detect timeout {} ms), {} of {} ranks stayed, ms after the cut:", seed,
+              kDetectMs, toString(env.store->get("test/survivors")), n);
           for (int r = 0; r < n; ++r) {
             line += fmt::format(" rank {}: detected {}", r,
                                 toString(env.store->get(fmt::format("test/detected/{}", r))));
