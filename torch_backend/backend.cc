@@ -644,6 +644,33 @@ void CrossbarBackend::abort() {
   shutdown();
 }
 
+void CrossbarBackend::setShrinkHandler(ShrinkHandler handler) {
+  std::lock_guard<std::mutex> lk(shrink_mu_);
+  shrink_handler_ = std::move(handler);
+}
+
+bool CrossbarBackend::supportsShrinking() const {
+  std::lock_guard<std::mutex> lk(shrink_mu_);
+  return static_cast<bool>(shrink_handler_);
+}
+
+c10::intrusive_ptr<c10d::Backend> CrossbarBackend::shrink(const std::vector<int64_t>& ranks_to_exclude,
+                                                          int /*shrink_flags: the agreement aborts the old epoch*/,
+                                                          const c10::intrusive_ptr<c10d::Backend::Options>&) {
+  ShrinkHandler handler;
+  {
+    std::lock_guard<std::mutex> lk(shrink_mu_);
+    handler = shrink_handler_;
+  }
+  if (!handler)
+    throw InvalidUsage(fmt::format(
+        "{}this crossbar process group cannot shrink: the survivors of a failure must agree on who is left, "
+        "which only a crossbar.ft.FaultTolerantGroup's group does (use its shrink(), or "
+        "torch.distributed.shrink_group on its .group)",
+        errorContext(rank_, "shrink_group")));
+  return handler(ranks_to_exclude);
+}
+
 void CrossbarBackend::setTimeout(std::chrono::milliseconds timeout) {
   timeout_ms_ = timeout.count();
 }

@@ -202,6 +202,16 @@ class CrossbarBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
                                           const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<c10d::Backend::Options>& opts);
+  // torch.distributed.shrink_group (torch >= 2.10; not `override` for older versions).
+  // Only a crossbar.ft group's backends can shrink: survivors must agree on who is left
+  // first, which its handler does (the fault-tolerant agreement) before handing back the
+  // next epoch's backend, built over the shrunk Communicator.
+  using ShrinkHandler =
+      std::function<c10::intrusive_ptr<c10d::Backend>(const std::vector<int64_t>& ranks_to_exclude)>;
+  void setShrinkHandler(ShrinkHandler handler);
+  bool supportsShrinking() const;
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranks_to_exclude, int shrink_flags = 0,
+                                           const c10::intrusive_ptr<c10d::Backend::Options>& opts_override = nullptr);
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   void setTimeout(std::chrono::milliseconds timeout);
@@ -263,6 +273,8 @@ class CrossbarBackend : public c10d::Backend {
   // Timed-out point-to-point works whose buffers a transport may still write into.
   std::vector<c10::intrusive_ptr<CrossbarWork>> orphans_;
   bool shut_down_ = false;
+  mutable std::mutex shrink_mu_;
+  ShrinkHandler shrink_handler_;
 };
 
 }  // namespace crossbar::torch_backend

@@ -6,15 +6,17 @@
 // The rendezvous store is torch's (TCPStore from torchrun or the caller); it must outlive
 // every rank. The failure detector gets its own connection (store.clone()).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "comm/errors.h"
 #include "comm/ft.h"
@@ -26,25 +28,28 @@ namespace crossbar::torch_backend {
 namespace {
 
 // The torch backend of the current epoch, as an epoch resource of the FT communicator.
+// It runs over the epoch's own Communicator (no second bootstrap per epoch: the
+// transports the FT layer built for the survivors are the backend's too), so a revoke
+// fails its pending work with the epoch's error.
 class EpochBackend : public ft::EpochResource {
  public:
-  EpochBackend(c10::intrusive_ptr<c10d::Store> store, std::string name, Millis timeout)
-      : store_(std::move(store)), name_(std::move(name)), timeout_(timeout) {}
+  EpochBackend(std::string name, Millis timeout) : name_(std::move(name)), timeout_(timeout) {}
 
-  // Collective over the epoch's members (Communicator::create inside the backend).
-  void build(uint64_t epoch, int rank, int size) {
+  void build(const std::shared_ptr<Communicator>& comm, const std::vector<int>& excluded) {
     auto opts = c10::make_intrusive<CrossbarBackend::Options>(std::chrono::milliseconds(timeout_.count()));
-    opts->name = fmt::format("{}.e{}", name_, epoch);
-    auto prefixed =
-        c10::make_intrusive<c10d::PrefixStore>(fmt::format("crossbar/ft/{}/e{}/torch", name_, epoch), store_);
-    auto fresh = c10::make_intrusive<CrossbarBackend>(prefixed, rank, size, opts);
+    opts->name = fmt::format("{}.e{}", name_, comm->epoch());
+    auto fresh = c10::make_intrusive<CrossbarBackend>(comm, opts);
     c10::intrusive_ptr<CrossbarBackend> old;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      fresh->setShrinkHandler(shrink_handler_);
       old = std::exchange(backend_, fresh);
-      epoch_ = epoch;
+      excluded_ = excluded;
     }
-    if (old) old->abort();  // its pending work already failed with the revoke
+    if (old) {
+      old->setShrinkHandler(nullptr);  // a stale group cannot shrink again
+      old->abort();                    // its communicator is the old epoch's, already aborted
+    }
   }
 
   void abortEpoch(const std::string& reason, std::exception_ptr error) override {
@@ -53,31 +58,45 @@ class EpochBackend : public ft::EpochResource {
     if (backend_ && !backend_->communicator().aborted()) backend_->communicator().abort(reason, error);
   }
 
-  void advance(const ft::EpochChange& change) override {
-    build(change.new_epoch, change.comm->rank(), change.comm->size());
-  }
+  void advance(const ft::EpochChange& change) override { build(change.comm, change.excluded); }
 
   c10::intrusive_ptr<CrossbarBackend> backend() const {
     std::lock_guard<std::mutex> lock(mu_);
     return backend_;
+  }
+  // Old ranks the last transition left out (ascending).
+  std::vector<int> excluded() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return excluded_;
+  }
+
+  // torch.distributed.shrink_group on the current (and every later) backend calls this.
+  void setShrinkHandler(CrossbarBackend::ShrinkHandler handler) {
+    std::lock_guard<std::mutex> lock(mu_);
+    shrink_handler_ = std::move(handler);
+    if (backend_) backend_->setShrinkHandler(shrink_handler_);
   }
 
   void shutdown() {
     c10::intrusive_ptr<CrossbarBackend> old;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      shrink_handler_ = nullptr;
       old = std::exchange(backend_, {});
     }
-    if (old) old->abort();
+    if (old) {
+      old->setShrinkHandler(nullptr);
+      old->abort();
+    }
   }
 
  private:
-  c10::intrusive_ptr<c10d::Store> store_;
   std::string name_;
   Millis timeout_;
   mutable std::mutex mu_;
   c10::intrusive_ptr<CrossbarBackend> backend_;
-  uint64_t epoch_ = 0;
+  std::vector<int> excluded_;
+  CrossbarBackend::ShrinkHandler shrink_handler_;
 };
 
 class FtGroup {
@@ -131,14 +150,37 @@ class FtGroup {
     return open().detector().revoked();
   }
   void shrink() { open().shrink(); }
+  // torch.distributed.shrink_group(ranks, group=g.group): the same agreement as shrink();
+  // torch builds its new ProcessGroup from the list it was given, so the agreed
+  // exclusions must be exactly those.
+  c10::intrusive_ptr<c10d::Backend> shrinkForTorch(const std::vector<int64_t>& requested) {
+    std::optional<py::gil_scoped_release> no_gil;
+    if (PyGILState_Check()) no_gil.emplace();  // the agreement blocks; torch may hold the GIL
+    auto& ft = open();
+    const uint64_t epoch = ft.epoch();
+    ft.shrink();  // Excluded on a rank the survivors left out
+    std::vector<int> want(requested.begin(), requested.end());
+    std::sort(want.begin(), want.end());
+    auto agreed = backend_->excluded();
+    if (agreed != want)
+      throw InvalidUsage(fmt::format(
+          "{}the survivors of epoch {} agreed to exclude ranks [{}], not the [{}] passed to shrink_group. "
+          "The communicator did shrink (this process is rank {} of {} in epoch {}); take "
+          "FaultTolerantGroup.group for the agreed group, and pass the ranks from handle_error()/faults()",
+          errorContext(ft.rank(), "shrink_group"), epoch, fmt::join(agreed, ", "), fmt::join(want, ", "),
+          ft.rank(), ft.size(), ft.epoch()));
+    return backend_->backend();
+  }
   void grow(int target) { open().grow(target); }
   void abort(const std::string& reason) { open().abort(reason); }
 
   void close() {
     if (!ft_) return;
     ft_->detach(backend_.get());
-    backend_->shutdown();
+    // Announce leaving before the backend aborts the shared communicator, so peers do
+    // not take the closed transports for a failure.
     ft_->close();
+    backend_->shutdown();
     ft_.reset();
   }
 
@@ -150,12 +192,14 @@ class FtGroup {
     options_.heartbeat_interval = config.heartbeat;
     // The detector's own connection: a heartbeat must not queue behind a long get().
     options_.detector_store = std::make_shared<TorchStoreAdapter>(store->clone());
-    backend_ = std::make_shared<EpochBackend>(store, config.name,
+    backend_ = std::make_shared<EpochBackend>(config.name,
                                               config.timeout.count() > 0 ? config.timeout : defaultTimeout());
   }
 
   void start() {
-    backend_->build(ft_->epoch(), ft_->rank(), ft_->size());
+    backend_->build(ft_->comm(), {});
+    // Cleared by close() (through shutdown()) before this object goes.
+    backend_->setShrinkHandler([this](const std::vector<int64_t>& ranks) { return shrinkForTorch(ranks); });
     ft_->attach(backend_);
   }
 

@@ -41,6 +41,13 @@ members::
             g.grow(world_size)     # admits processes waiting in FaultTolerantGroup.join()
             step = sync(step)      # newcomers take the members' state
 
+torch's own ``dist.shrink_group(ranks, group=g.group)`` (torch >= 2.10) works on these
+groups too: the backend runs the same agreement and returns the next epoch's backend,
+which torch wraps into a new group. The ranks passed must be exactly those the
+survivors agree to exclude (the faults from ``handle_error()``; a rank that was only
+slow is not excluded); otherwise it raises after the shrink, and ``g.group`` is the
+agreed group. ``g.group`` follows the shrink either way.
+
 A replacement process runs ``g = ft.FaultTolerantGroup.join(store, name="train")``,
 which returns once the members' ``grow()`` admitted it, then calls the same ``sync``. A process the survivors left out (it was stopped too long, or on the losing
 side of a cut link) gets :class:`Excluded` from ``shrink()``: it must stop using the
@@ -117,6 +124,7 @@ class FaultTolerantGroup:
         self._impl = _impl
         self._group = None
         self._group_name = None
+        self._group_epoch = None
         self._wrap()
 
     @classmethod
@@ -129,6 +137,11 @@ class FaultTolerantGroup:
     @property
     def group(self) -> dist.ProcessGroup:
         """The current members' process group (changes with every shrink and grow)."""
+        if self._group is not None and self._group_epoch != self._impl.epoch:
+            # torch.distributed.shrink_group() moved the communicator on (and destroyed
+            # the old group); give the new epoch's backend a group of our own too.
+            self._retire()
+            self._wrap()
         return self._group
 
     @property
@@ -217,7 +230,7 @@ class FaultTolerantGroup:
         w.pg_backend_config[pg] = "cpu:crossbar"
         if hasattr(_c10d, "_register_process_group"):
             _c10d._register_process_group(name, pg)
-        self._group, self._group_name = pg, name
+        self._group, self._group_name, self._group_epoch = pg, name, epoch
 
     def _retire(self) -> None:
         pg, name = self._group, self._group_name

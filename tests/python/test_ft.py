@@ -167,3 +167,75 @@ def test_training_survives_killed_rank_and_grows_back(tmp_path):
                        f"first correct allreduce {out['first_ok_ms']:.0f}")
     # One line from the parent (shown with -s): ms after the SIGKILL.
     print("crossbar.ft recovery, ms after the kill:", "; ".join(timings))
+
+
+def _torch_shrink(who, port, out_dir):
+    """3 ranks; rank 1 dies; the survivors shrink with torch's own shrink_group()."""
+    out = {"who": who, "errors": []}
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+        # torch's shrink_group() looks up the default group first, so there must be one
+        # (any backend; it is not used here).
+        dist.init_process_group("gloo", store=dist.PrefixStore("default/", store), rank=who, world_size=3)
+        g = ft.FaultTolerantGroup(store, who, 3, name="torch-shrink", timeout=60, detect_timeout=3)
+        old = g.group
+        try:
+            for step in range(1000):
+                if who == 1 and step == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                t = torch.full((1024,), float(g.rank + 1))
+                dist.all_reduce(t, group=old)
+            out["errors"].append("no failure reported")
+        except ft.FAILURES as e:
+            faults = g.handle_error(e)
+            out["faults"] = sorted({(f.rank, f.kind) for f in faults})
+            assert old.size() == 3 and old._get_backend(torch.device("cpu")).supports_shrinking
+            new = dist.shrink_group(sorted({f.rank for f in faults}), group=old)
+            # torch's group over the agreed survivors, and g.group follows the shrink.
+            out["torch_group"] = [new.rank(), new.size()]
+            out["ft_group"] = [g.group.rank(), g.group.size(), g.epoch]
+            for group in (new, g.group):
+                t = torch.full((1024,), float(g.rank + 1))
+                dist.all_reduce(t, group=group)
+                if not bool(torch.all(t == 3.0)):
+                    out["errors"].append(f"allreduce after shrink_group gave {t[0].item()}, want 3")
+        g.close()
+    except BaseException:  # noqa: BLE001 - reported through the file
+        out["errors"].append(traceback.format_exc())
+    with open(os.path.join(out_dir, f"{who}.json"), "w") as f:
+        json.dump(out, f)
+    os._exit(0)
+
+
+@pytest.mark.skipif(not hasattr(dist, "shrink_group"), reason="torch.distributed.shrink_group is new in torch 2.10")
+def test_torch_shrink_group_runs_the_agreement(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_serve_store, args=(child,), daemon=True)
+    server.start()
+    port = parent.recv()
+    procs = {who: ctx.Process(target=_torch_shrink, args=(who, port, str(tmp_path))) for who in range(3)}
+    try:
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.join(timeout=120)
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join()
+        parent.send("done")
+        server.join(timeout=10)
+        if server.is_alive():
+            server.kill()
+    assert procs[1].exitcode == -signal.SIGKILL
+    for who in (0, 2):
+        path = tmp_path / f"{who}.json"
+        assert procs[who].exitcode == 0 and path.exists(), f"{who}: exit {procs[who].exitcode}"
+        out = json.loads(path.read_text())
+        assert out["errors"] == [], f"{who}: {out['errors']}"
+        assert out["faults"] == [[1, "dead"]], out
+        new_rank = 0 if who == 0 else 1
+        assert out["torch_group"] == [new_rank, 2], out
+        assert out["ft_group"] == [new_rank, 2, 1], out
