@@ -26,9 +26,11 @@ std::string probe(pid_t pid, const void* remote, uint64_t expect, int peer) {
   uint64_t got = 0;
   iovec l{&got, sizeof got}, r{const_cast<void*>(remote), sizeof got};
   const ssize_t n = process_vm_readv(pid, &l, 1, &r, 1, 0);
-  if (n < 0) return fmt::format("process_vm_readv of rank {} (pid {}) failed: {}", peer, pid, std::strerror(errno));
+  if (n < 0)
+    return fmt::format("process_vm_readv of rank {} (pid {}) failed: {}", peer, pid, std::strerror(errno));
   if (n != static_cast<ssize_t>(sizeof got) || got != expect)
-    return fmt::format("process_vm_readv of rank {} (pid {}) read other data (separate PID namespaces?)", peer, pid);
+    return fmt::format("process_vm_readv of rank {} (pid {}) read other data (separate PID namespaces?)",
+                       peer, pid);
   return "";
 }
 
@@ -44,12 +46,13 @@ void read(pid_t pid, void* local, const void* remote, size_t bytes, int rank, in
         throw PeerFailure(fmt::format("{}rank {} (pid {}) exited during a single-copy read",
                                       errorContext(rank, op), peer, pid),
                           {peer});
-      throw SystemError(fmt::format("{}single-copy read of {} bytes from rank {} (pid {}) at {} failed: {}; "
-                                    "was its buffer freed early, or did it exit? Set CROSSBAR_COLL_CMA=off to "
-                                    "use the staged path",
-                                    errorContext(rank, op), bytes, peer, pid, remote,
-                                    n < 0 ? std::strerror(errno) : "no progress"),
-                        {peer});
+      throw SystemError(
+          fmt::format("{}single-copy read of {} bytes from rank {} (pid {}) at {} failed: {}; "
+                      "was its buffer freed early, or did it exit? Set CROSSBAR_COLL_CMA=off to "
+                      "use the staged path",
+                      errorContext(rank, op), bytes, peer, pid, remote,
+                      n < 0 ? std::strerror(errno) : "no progress"),
+          {peer});
     }
     dst += n;
     src += n;

@@ -11,8 +11,9 @@
 // grace period, so that an issue-then-wait call, and a thread waiting through a batch
 // of operations, run them inline (no futex wake-up and context switch per operation,
 // which dominates small operations with more ranks than cores). Operations nobody
-// waits for still start within the grace period. Selection (and the lazy creation of hierarchical sub-communicators,
-// a collective split) happens in the issuing thread, so those run in issue order too.
+// waits for still start within the grace period. Selection (and the lazy creation
+// of hierarchical sub-communicators, a collective split) happens in the issuing
+// thread, so those run in issue order too.
 //
 // A failed operation leaves its peers' traffic in an unknown state, so the error is
 // sticky: every later operation of this Collectives fails at once with the same error
@@ -122,8 +123,8 @@ struct Queue {
   std::deque<std::shared_ptr<WorkImpl>> items;
   bool executing = false;
   bool stop = false;
-  int helpers = 0;                 // threads blocked in wait() that will run the head
-  Clock::time_point last_end{};    // when the last operation finished
+  int helpers = 0;               // threads blocked in wait() that will run the head
+  Clock::time_point last_end{};  // when the last operation finished
   std::exception_ptr sticky;
   std::string sticky_op;
   int rank = -1;
@@ -284,9 +285,10 @@ void validate(const CollArgs& a, const Communicator& c) {
     // Reductions read and write typed elements: a misaligned address is undefined
     // behaviour on the host and a fault on the device. Data movement copies bytes.
     if (ptr && hasReduceOp(a.coll) && reinterpret_cast<uintptr_t>(ptr) % es != 0)
-      fail(fmt::format("{} buffer {} is not aligned to the {}-byte elements of {}; reductions need aligned "
-                       "buffers (copy into an aligned one)",
-                       which, ptr, es, dataTypeName(a.type)));
+      fail(
+          fmt::format("{} buffer {} is not aligned to the {}-byte elements of {}; reductions need aligned "
+                      "buffers (copy into an aligned one)",
+                      which, ptr, es, dataTypeName(a.type)));
   };
   auto disjointOr = [&](const void* s, size_t slen, const void* d, size_t dlen, const void* inplace,
                         const char* rule) {
@@ -338,8 +340,8 @@ void validate(const CollArgs& a, const Communicator& c) {
       for (int i = 0; i < p; ++i) {
         // Counts first: emax - count wraps for a count above emax (a negative count
         // from a caller that converted a signed value).
-        if (a.send_counts[i] > emax || a.recv_counts[i] > emax || a.send_displs[i] > emax - a.send_counts[i] ||
-            a.recv_displs[i] > emax - a.recv_counts[i])
+        if (a.send_counts[i] > emax || a.recv_counts[i] > emax ||
+            a.send_displs[i] > emax - a.send_counts[i] || a.recv_displs[i] > emax - a.recv_counts[i])
           fail(fmt::format("displacement + count for rank {} overflows (negative or huge value?)", i));
         send_extent = std::max(send_extent, a.send_displs[i] + a.send_counts[i]);
         recv_extent = std::max(recv_extent, a.recv_displs[i] + a.recv_counts[i]);
@@ -485,8 +487,8 @@ Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
 std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> ops) {
   // Telemetry: issue time here, start/end/waits around the run (PeerWait in the algorithms).
   const int64_t issued_ns = telemetry::Recorder::instance().enabled() ? telemetry::nowNs() : 0;
-  return [comm = comm, ops = std::move(ops), chunk = chunk_bytes, hier = hier, scratch = scratch,
-          symm = symm, checker = checker, issued_ns](Deadline deadline) {
+  return [comm = comm, ops = std::move(ops), chunk = chunk_bytes, hier = hier, scratch = scratch, symm = symm,
+          checker = checker, issued_ns](Deadline deadline) {
     RunContext x;
     x.scratch = scratch.get();
     x.symm = symm.get();
@@ -509,7 +511,8 @@ std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> o
     uint64_t total_bytes = 0;
     for (const Planned& op : ops) total_bytes += op.args.selectionBytes(comm->size());
     telemetry::OpScope record(lone ? collTypeName(ops[0].args.coll) : "group", total_bytes,
-                              lone ? ops[0].algo->name : std::string_view("group"), issued_ns, -1, comm->rank());
+                              lone ? ops[0].algo->name : std::string_view("group"), issued_ns, -1,
+                              comm->rank());
     std::vector<RequestPtr> reqs;
     std::vector<size_t> expect;
     for (const Planned& op : ops) {

@@ -74,7 +74,8 @@ void SymmStaging::probeCma() {
   std::string why;
   if (env::getEnum("CROSSBAR_COLL_CMA") == "off") why = "CROSSBAR_COLL_CMA=off";
   if (why.empty()) why = cma::allowPeerReads();
-  token_ = 0x9E3779B97F4A7C15ull ^ (static_cast<uint64_t>(getpid()) << 20) ^ reinterpret_cast<uintptr_t>(this);
+  token_ =
+      0x9E3779B97F4A7C15ull ^ (static_cast<uint64_t>(getpid()) << 20) ^ reinterpret_cast<uintptr_t>(this);
   MetaHeader* me = meta(rank_);
   me->pid = static_cast<uint64_t>(getpid());
   me->token_addr = reinterpret_cast<uintptr_t>(&token_);
@@ -95,7 +96,8 @@ void SymmStaging::probeCma() {
   notifyAll(kDone);
   waitAll(kDone, deadline);
   for (int q = 0; q < size_ && why.empty(); ++q)
-    if (meta(q)->probe_ok != 1) why = fmt::format("rank {} cannot read its peers' memory (its INFO log says why)", q);
+    if (meta(q)->probe_ok != 1)
+      why = fmt::format("rank {} cannot read its peers' memory (its INFO log says why)", q);
   cma_ = why.empty();
   cma_reason_ = why;
 }
@@ -118,12 +120,14 @@ void SymmStaging::readPosted(int owner, void* dst, size_t bytes, Deadline deadli
     ~Done() { s->buf_->putSignal(owner, kDone); }
   } done{this, owner};
   if (offered != bytes)
-    throw InvalidUsage(fmt::format("{}rank {} sends {} bytes to this rank, which expects {}; do the counts match "
-                                   "on every rank?",
-                                   errorContext(rank_, op), owner, offered, bytes),
-                       {owner});
+    throw InvalidUsage(
+        fmt::format("{}rank {} sends {} bytes to this rank, which expects {}; do the counts match "
+                    "on every rank?",
+                    errorContext(rank_, op), owner, offered, bytes),
+        {owner});
   if (bytes)
-    cma::read(static_cast<pid_t>(pids_[owner]), dst, reinterpret_cast<const void*>(addr), bytes, rank_, owner, op);
+    cma::read(static_cast<pid_t>(pids_[owner]), dst, reinterpret_cast<const void*>(addr), bytes, rank_, owner,
+              op);
 }
 
 void SymmStaging::wait(int peer, int channel, Deadline deadline) {
@@ -747,7 +751,9 @@ void registerSymmAlgorithms(std::deque<Algorithm>& out) {
       alltoallvSymm);
   add(CollType::kGather, "symm", "symmetric memory: ranks stage, root copies out", gatherSymm);
   const char* staged = "; staged symm if CMA is unavailable";
-  auto cmaSummary = [&](const char* what) { return std::string("single copy (process_vm_readv): ") + what + staged; };
+  auto cmaSummary = [&](const char* what) {
+    return std::string("single copy (process_vm_readv): ") + what + staged;
+  };
   add(CollType::kAllgather, "cma", cmaSummary("every rank reads each peer's user buffer"), allgatherCma);
   add(CollType::kAlltoall, "cma", cmaSummary("every rank reads its block from each peer"), alltoallCma);
   add(CollType::kAlltoallv, "cma", cmaSummary("every rank reads its block from each peer"), alltoallvCma);

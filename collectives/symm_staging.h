@@ -20,8 +20,8 @@
 // buffer as soon as the Work completes; the slot is then free for the next operation.
 #pragma once
 
-#include <cstddef>
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -107,7 +107,7 @@ class SymmStaging {
   int rank_ = 0, size_ = 0;
   size_t half_ = 0, chunk_ = 0;
   uint64_t base_ = 0;
-  Clock::duration spin_{};  // pure spin before yielding: CROSSBAR_SPIN_US when ranks <= cores
+  Clock::duration spin_{};                 // pure spin before yielding: CROSSBAR_SPIN_US when ranks <= cores
   std::vector<std::deque<uint8_t>> owed_;  // by reader: halves it still has to release, oldest first
   std::vector<uint64_t> seen_;             // [channel * size + peer]: signals consumed so far
   bool cma_ = false;

@@ -90,11 +90,8 @@ void runCmaCollectives(Collectives& coll, Communicator& comm, size_t n, int iter
   coll.alltoall(send.data(), recv.data(), n, DataType::kUInt8, o)->wait();
   for (int q = 0; q < p; ++q)
     EXPECT_EQ(firstWrong(recv.data() + q * n, n, iter, q, r * n), -1) << "alltoall block " << q;
-  std::vector<size_t> cnt(p), dsp(p);
-  for (int q = 0; q < p; ++q) {
-    cnt[q] = n / (q + 1);
-    dsp[q] = q * n;
-  }
+  std::vector<size_t> dsp(p);
+  for (int q = 0; q < p; ++q) dsp[q] = q * n;
   // Rank q sends n/(r+1) bytes to rank r (what r expects from everyone).
   std::vector<size_t> scnt(p);
   for (int q = 0; q < p; ++q) scnt[q] = n / (q + 1);
@@ -110,8 +107,9 @@ void runCmaCollectives(Collectives& coll, Communicator& comm, size_t n, int iter
   std::vector<uint8_t> mine(n);
   fill(mine, iter, r);
   coll.gather(mine.data(), recv.data(), n, root, DataType::kUInt8, o)->wait();
-  if (r == root)
+  if (r == root) {
     for (int q = 0; q < p; ++q) EXPECT_EQ(firstWrong(recv.data() + q * n, n, iter, q), -1) << "gather " << q;
+  }
   coll.scatter(send.data(), mine.data(), n, root, DataType::kUInt8, o)->wait();
   EXPECT_EQ(firstWrong(mine.data(), n, iter, root, r * n), -1) << "scatter";
 }
@@ -122,17 +120,21 @@ TEST(Cma, FallbackIsAgreedByEveryRank) {
   RunOptions opts;
   opts.env["CROSSBAR_COLL_SYMM_BYTES"] = "64K";
   opts.env["CROSSBAR_TIMEOUT"] = "60s";
-  runRanks(3, [](RankEnv& env) {
-    auto comm = env.communicator();
-    if (comm->rank() == 1) setenv("CROSSBAR_COLL_CMA", "off", 1);
-    SymmStaging s(comm, 64 * 1024, 16 * 1024);
-    EXPECT_FALSE(s.cma());
-    const std::string want = comm->rank() == 1 ? "CROSSBAR_COLL_CMA=off" : "rank 1";
-    EXPECT_NE(s.cmaReason().find(want), std::string::npos) << s.cmaReason();
-    Collectives coll(comm);
-    for (size_t n : {size_t{1}, size_t{4099}, size_t{70001}}) runCmaCollectives(coll, *comm, n, static_cast<int>(n));
-    comm->destroy();
-  }, opts);
+  runRanks(
+      3,
+      [](RankEnv& env) {
+        auto comm = env.communicator();
+        if (comm->rank() == 1) setenv("CROSSBAR_COLL_CMA", "off", 1);
+        SymmStaging s(comm, 64 * 1024, 16 * 1024);
+        EXPECT_FALSE(s.cma());
+        const std::string want = comm->rank() == 1 ? "CROSSBAR_COLL_CMA=off" : "rank 1";
+        EXPECT_NE(s.cmaReason().find(want), std::string::npos) << s.cmaReason();
+        Collectives coll(comm);
+        for (size_t n : {size_t{1}, size_t{4099}, size_t{70001}})
+          runCmaCollectives(coll, *comm, n, static_cast<int>(n));
+        comm->destroy();
+      },
+      opts);
 }
 
 // Every rank on auto: all agree (single copy on wherever the kernel allows it),
@@ -141,29 +143,34 @@ TEST(Cma, AutoIsAgreedAndSelected) {
   RunOptions opts;
   opts.env["CROSSBAR_COLL_CMA"] = "auto";
   opts.env["CROSSBAR_TIMEOUT"] = "60s";
-  runRanks(2, [](RankEnv& env) {
-    auto comm = env.communicator();
-    SymmStaging s(comm, 64 * 1024, 16 * 1024);
-    std::vector<uint8_t> mine{static_cast<uint8_t>(s.cma())}, all(2);
-    Collectives coll(comm);
-    CollOptions o;
-    o.algorithm = "direct";  // point-to-point: independent of what is being tested
-    coll.gather(mine.data(), all.data(), 1, 0, DataType::kUInt8, o)->wait();
-    if (comm->rank() == 0) EXPECT_EQ(all[0], all[1]) << "ranks disagree on single copy: " << s.cmaReason();
-    EXPECT_EQ(s.cma(), s.cmaReason().empty()) << s.cmaReason();
-    // The table keeps the staged path (measured faster here); CROSSBAR_ALGO selects cma.
-    auto pick = [&](CollType c, size_t count, const char* env) {
-      return selectAlgorithm(CollArgs::of(c, nullptr, nullptr, count, DataType::kUInt8), *comm, "",
-                             parseAlgoOverride(env))
-          .algorithm->name;
-    };
-    EXPECT_EQ(pick(CollType::kAllgather, 1 << 20, ""), "symm");
-    EXPECT_EQ(pick(CollType::kAllgather, 1 << 20, "cma"), "cma");
-    EXPECT_EQ(pick(CollType::kAlltoallv, 64, "alltoallv=cma"), "cma");
-    EXPECT_EQ(pick(CollType::kAlltoall, 64, "alltoallv=cma"), "symm");
-    runCmaCollectives(coll, *comm, 100003, 1);
-    comm->destroy();
-  }, opts);
+  runRanks(
+      2,
+      [](RankEnv& env) {
+        auto comm = env.communicator();
+        SymmStaging s(comm, 64 * 1024, 16 * 1024);
+        std::vector<uint8_t> mine{static_cast<uint8_t>(s.cma())}, all(2);
+        Collectives coll(comm);
+        CollOptions o;
+        o.algorithm = "direct";  // point-to-point: independent of what is being tested
+        coll.gather(mine.data(), all.data(), 1, 0, DataType::kUInt8, o)->wait();
+        if (comm->rank() == 0) {
+          EXPECT_EQ(all[0], all[1]) << "ranks disagree on single copy: " << s.cmaReason();
+        }
+        EXPECT_EQ(s.cma(), s.cmaReason().empty()) << s.cmaReason();
+        // The table keeps the staged path (measured faster here); CROSSBAR_ALGO selects cma.
+        auto pick = [&](CollType c, size_t count, const char* env) {
+          return selectAlgorithm(CollArgs::of(c, nullptr, nullptr, count, DataType::kUInt8), *comm, "",
+                                 parseAlgoOverride(env))
+              .algorithm->name;
+        };
+        EXPECT_EQ(pick(CollType::kAllgather, 1 << 20, ""), "symm");
+        EXPECT_EQ(pick(CollType::kAllgather, 1 << 20, "cma"), "cma");
+        EXPECT_EQ(pick(CollType::kAlltoallv, 64, "alltoallv=cma"), "cma");
+        EXPECT_EQ(pick(CollType::kAlltoall, 64, "alltoallv=cma"), "symm");
+        runCmaCollectives(coll, *comm, 100003, 1);
+        comm->destroy();
+      },
+      opts);
 }
 
 // The caller overwrites its buffers the moment each collective completes; a reader
@@ -172,34 +179,40 @@ TEST(Cma, AutoIsAgreedAndSelected) {
 TEST(Cma, BuffersReusableRightAfterCompletion) {
   RunOptions opts;
   opts.env["CROSSBAR_TIMEOUT"] = "60s";
-  runRanks(3, [](RankEnv& env) {
-    auto comm = env.communicator();
-    const int p = comm->size(), r = comm->rank();
-    Collectives coll(comm);
-    CollOptions o;
-    o.algorithm = "cma";
-    const size_t n = 1 << 20;
-    std::vector<uint8_t> send(n * p), recv(n * p);
-    for (int iter = 0; iter < 12; ++iter) {
-      if (r == iter % p) usleep(2000);
-      fill(send, iter, r);
-      if (iter % 2 == 0)
-        coll.allgather(send.data(), recv.data(), n, DataType::kUInt8, o)->wait();
-      else
-        coll.alltoall(send.data(), recv.data(), n, DataType::kUInt8, o)->wait();
-      std::memset(send.data(), 0xA5, send.size());  // reuse at once
-      for (int q = 0; q < p; ++q) {
-        long bad = firstWrong(recv.data() + q * n, n, iter, q, iter % 2 ? r * n : 0);
-        ASSERT_EQ(bad, -1) << "iteration " << iter << ": block of rank " << q << " wrong at byte " << bad;
-      }
-      // Broadcast: the root overwrites its buffer at once, then broadcasts again.
-      std::vector<uint8_t>& b = recv;
-      const int root = iter % p;
-      if (r == root) fill(b, iter, root);
-      coll.broadcast(b.data(), n, DataType::kUInt8, root, o)->wait();
-      if (r == root) std::memset(b.data(), 0x5A, n);
-      else ASSERT_EQ(firstWrong(b.data(), n, iter, root), -1) << "broadcast, iteration " << iter;
-    }
-    comm->destroy();
-  }, opts);
+  runRanks(
+      3,
+      [](RankEnv& env) {
+        auto comm = env.communicator();
+        const int p = comm->size(), r = comm->rank();
+        Collectives coll(comm);
+        CollOptions o;
+        o.algorithm = "cma";
+        const size_t n = 1 << 20;
+        std::vector<uint8_t> send(n * p), recv(n * p);
+        for (int iter = 0; iter < 12; ++iter) {
+          if (r == iter % p) usleep(2000);
+          fill(send, iter, r);
+          if (iter % 2 == 0)
+            coll.allgather(send.data(), recv.data(), n, DataType::kUInt8, o)->wait();
+          else
+            coll.alltoall(send.data(), recv.data(), n, DataType::kUInt8, o)->wait();
+          std::memset(send.data(), 0xA5, send.size());  // reuse at once
+          for (int q = 0; q < p; ++q) {
+            long bad = firstWrong(recv.data() + q * n, n, iter, q, iter % 2 ? r * n : 0);
+            ASSERT_EQ(bad, -1) << "iteration " << iter << ": block of rank " << q << " wrong at byte " << bad;
+          }
+          // Broadcast: the root overwrites its buffer at once, then broadcasts again.
+          std::vector<uint8_t>& b = recv;
+          const int root = iter % p;
+          if (r == root) fill(b, iter, root);
+          coll.broadcast(b.data(), n, DataType::kUInt8, root, o)->wait();
+          if (r == root) {
+            std::memset(b.data(), 0x5A, n);
+          } else {
+            ASSERT_EQ(firstWrong(b.data(), n, iter, root), -1) << "broadcast, iteration " << iter;
+          }
+        }
+        comm->destroy();
+      },
+      opts);
 }
