@@ -53,6 +53,11 @@ class NetnsPair {
         return nullptr;  // the destructor removes what was made
       }
     }
+    std::string out;
+    if (!p->waitCarrier(&out)) {
+      *why_not = out;
+      return nullptr;
+    }
     return p;
   }
 
@@ -65,7 +70,24 @@ class NetnsPair {
 
   // Link state of node 0's end (the peer end loses carrier with it).
   bool setLink(bool up, std::string* out) const {
-    return run(fmt::format("ip -n {} link set {} {}", ns[0], dev[0], up ? "up" : "down"), out);
+    if (!run(fmt::format("ip -n {} link set {} {}", ns[0], dev[0], up ? "up" : "down"), out)) return false;
+    return !up || waitCarrier(out);
+  }
+
+  // Until both ends have carrier (LOWER_UP), at most 5 s: UCX lists a device without
+  // it as unavailable ("network device ... is not available", UCS_ERR_NO_DEVICE), which
+  // a rank starting right after `link set up` on a loaded machine ran into.
+  bool waitCarrier(std::string* out) const {
+    for (int i = 0; i < 250; ++i) {
+      bool up = true;
+      for (int k = 0; k < 2 && up; ++k)
+        up = run(fmt::format("ip -n {} link show dev {}", ns[k], dev[k]), out) &&
+             out->find("LOWER_UP") != std::string::npos;
+      if (up) return true;
+      ::usleep(20'000);
+    }
+    *out = fmt::format("the veth pair {} / {} has no carrier 5 s after `link set up`: {}", dev[0], dev[1], *out);
+    return false;
   }
 
   // Moves this (single-threaded) process into namespace `name`, like `ip netns exec`:
