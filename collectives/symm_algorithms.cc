@@ -58,9 +58,17 @@ SymmStaging::SymmStaging(std::shared_ptr<Communicator> comm, size_t bytes, size_
   const unsigned cores = std::thread::hardware_concurrency();
   if (cores == 0 || static_cast<unsigned>(comm_->localSize()) <= cores)
     spin_ = std::chrono::microseconds(std::max<int64_t>(env::getInt("CROSSBAR_SPIN_US"), 0));
-  probeCma();
-  CB_INFO("coll", "{}: symmetric staging of 2 x {} bytes per rank, chunks of up to {} bytes; single copy {}",
-          comm_->name(), half_, chunk_, cma_ ? "(CMA) on" : "off: " + cma_reason_);
+  CB_INFO("coll", "{}: symmetric staging of 2 x {} bytes per rank, chunks of up to {} bytes", comm_->name(),
+          half_, chunk_);
+}
+
+bool SymmStaging::cma(Deadline deadline) {
+  if (!cma_probed_) {
+    probeCma(deadline);
+    cma_probed_ = true;
+    CB_INFO("coll", "{}: single copy (CMA) {}", comm_->name(), cma_ ? "on" : "off: " + cma_reason_);
+  }
+  return cma_;
 }
 
 SymmStaging::MetaHeader* SymmStaging::meta(int rank) const {
@@ -70,7 +78,7 @@ SymmStaging::MetaHeader* SymmStaging::meta(int rank) const {
 // Every rank probes every peer (one read of a token it published), then all agree: a
 // single failure anywhere turns single copy off everywhere, so ranks never disagree
 // on an operation's protocol.
-void SymmStaging::probeCma() {
+void SymmStaging::probeCma(Deadline deadline) {
   std::string why;
   if (env::getEnum("CROSSBAR_COLL_CMA") == "off") why = "CROSSBAR_COLL_CMA=off";
   if (why.empty()) why = cma::allowPeerReads();
@@ -81,7 +89,6 @@ void SymmStaging::probeCma() {
   me->token_addr = reinterpret_cast<uintptr_t>(&token_);
   me->token = token_;
   me->probe_ok = 0;
-  const Deadline deadline = Deadline::after(comm_->timeout());
   notifyAll(kAddr);
   waitAll(kAddr, deadline);
   pids_.assign(size_, 0);
@@ -604,7 +611,7 @@ void alltoallvSymm(const CollArgs& a, RunContext& x) {
 
 void allgatherCma(const CollArgs& a, RunContext& x) {
   SymmStaging& s = staging(*x.comm, x);
-  if (!s.cma()) return allgatherSymm(a, x);
+  if (!s.cma(x.deadline)) return allgatherSymm(a, x);
   const int p = s.size(), r = s.rank();
   const size_t blk = a.count * elementSize(a.type);
   for (int q = 0; q < p; ++q)
@@ -646,7 +653,7 @@ void exchangeCma(const CollArgs& a, RunContext& x, const size_t* scnt, const siz
 }
 
 void alltoallCma(const CollArgs& a, RunContext& x) {
-  if (!staging(*x.comm, x).cma()) return alltoallSymm(a, x);
+  if (!staging(*x.comm, x).cma(x.deadline)) return alltoallSymm(a, x);
   const int p = x.comm->size();
   std::vector<size_t> cnt(p, a.count), dsp(p);
   for (int i = 0; i < p; ++i) dsp[i] = a.count * i;
@@ -654,14 +661,14 @@ void alltoallCma(const CollArgs& a, RunContext& x) {
 }
 
 void alltoallvCma(const CollArgs& a, RunContext& x) {
-  if (!staging(*x.comm, x).cma()) return alltoallvSymm(a, x);
+  if (!staging(*x.comm, x).cma(x.deadline)) return alltoallvSymm(a, x);
   exchangeCma(a, x, a.send_counts.data(), a.send_displs.data(), a.recv_counts.data(), a.recv_displs.data(),
               "alltoallv");
 }
 
 void broadcastCma(const CollArgs& a, RunContext& x) {
   SymmStaging& s = staging(*x.comm, x);
-  if (!s.cma()) return broadcastSymm(a, x);
+  if (!s.cma(x.deadline)) return broadcastSymm(a, x);
   const int p = s.size(), r = s.rank();
   const size_t bytes = a.count * elementSize(a.type);
   if (r != a.root) return s.readPosted(a.root, a.recv, bytes, x.deadline, "broadcast");
@@ -673,7 +680,7 @@ void broadcastCma(const CollArgs& a, RunContext& x) {
 
 void gatherCma(const CollArgs& a, RunContext& x) {
   SymmStaging& s = staging(*x.comm, x);
-  if (!s.cma()) return gatherSymm(a, x);
+  if (!s.cma(x.deadline)) return gatherSymm(a, x);
   const int p = s.size(), r = s.rank();
   const size_t blk = a.count * elementSize(a.type);
   if (r != a.root) {
@@ -689,7 +696,7 @@ void gatherCma(const CollArgs& a, RunContext& x) {
 
 void scatterCma(const CollArgs& a, RunContext& x) {
   SymmStaging& s = staging(*x.comm, x);
-  if (!s.cma()) return scatterSymm(a, x);
+  if (!s.cma(x.deadline)) return scatterSymm(a, x);
   const int p = s.size(), r = s.rank();
   const size_t blk = a.count * elementSize(a.type);
   if (r != a.root) return s.readPosted(a.root, a.recv, blk, x.deadline, "scatter");

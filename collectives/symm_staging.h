@@ -77,8 +77,11 @@ class SymmStaging {
   void waitAll(int channel, Deadline deadline);
   void releaseAll();
 
-  // Single copy. cma(): every rank of the communicator can read every peer (agreed).
-  bool cma() const { return cma_; }
+  // Single copy: whether every rank of the communicator can read every peer (agreed).
+  // Collective on the first call (every rank at the same operation): the probe runs
+  // only when a single-copy algorithm is first used, so a process that never uses one
+  // never relaxes its ptrace policy (Yama).
+  bool cma(Deadline deadline);
   const std::string& cmaReason() const { return cma_reason_; }  // why not ("" if cma())
   // Owner: `reader` may read [addr, addr + bytes) of this process (ADDR signal).
   void post(int reader, const void* addr, size_t bytes);
@@ -99,7 +102,7 @@ class SymmStaging {
   MetaEntry* entry(int owner, int reader) const {
     return reinterpret_cast<MetaEntry*>(meta(owner) + 1) + reader;
   }
-  void probeCma();
+  void probeCma(Deadline deadline);
 
   std::shared_ptr<Communicator> comm_;
   symm::SymmetricHeap heap_;
@@ -110,7 +113,7 @@ class SymmStaging {
   Clock::duration spin_{};                 // pure spin before yielding: CROSSBAR_SPIN_US when ranks <= cores
   std::vector<std::deque<uint8_t>> owed_;  // by reader: halves it still has to release, oldest first
   std::vector<uint64_t> seen_;             // [channel * size + peer]: signals consumed so far
-  bool cma_ = false;
+  bool cma_ = false, cma_probed_ = false;
   std::string cma_reason_;
   std::vector<int64_t> pids_;  // by rank (CMA)
   uint64_t token_ = 0;         // read by peers in the probe

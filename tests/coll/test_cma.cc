@@ -126,7 +126,7 @@ TEST(Cma, FallbackIsAgreedByEveryRank) {
         auto comm = env.communicator();
         if (comm->rank() == 1) setenv("CROSSBAR_COLL_CMA", "off", 1);
         SymmStaging s(comm, 64 * 1024, 16 * 1024);
-        EXPECT_FALSE(s.cma());
+        EXPECT_FALSE(s.cma(Deadline::after(Millis(60000))));
         const std::string want = comm->rank() == 1 ? "CROSSBAR_COLL_CMA=off" : "rank 1";
         EXPECT_NE(s.cmaReason().find(want), std::string::npos) << s.cmaReason();
         Collectives coll(comm);
@@ -148,7 +148,7 @@ TEST(Cma, AutoIsAgreedAndSelected) {
       [](RankEnv& env) {
         auto comm = env.communicator();
         SymmStaging s(comm, 64 * 1024, 16 * 1024);
-        std::vector<uint8_t> mine{static_cast<uint8_t>(s.cma())}, all(2);
+        std::vector<uint8_t> mine{static_cast<uint8_t>(s.cma(Deadline::after(Millis(60000))))}, all(2);
         Collectives coll(comm);
         CollOptions o;
         o.algorithm = "direct";  // point-to-point: independent of what is being tested
@@ -156,7 +156,7 @@ TEST(Cma, AutoIsAgreedAndSelected) {
         if (comm->rank() == 0) {
           EXPECT_EQ(all[0], all[1]) << "ranks disagree on single copy: " << s.cmaReason();
         }
-        EXPECT_EQ(s.cma(), s.cmaReason().empty()) << s.cmaReason();
+        EXPECT_EQ(s.cma(Deadline::after(Millis(60000))), s.cmaReason().empty()) << s.cmaReason();
         // The table keeps the staged path (measured faster here); CROSSBAR_ALGO selects cma.
         auto pick = [&](CollType c, size_t count, const char* env) {
           return selectAlgorithm(CollArgs::of(c, nullptr, nullptr, count, DataType::kUInt8), *comm, "",
