@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 #include <fmt/format.h>
+#include <link.h>
 
 #include <atomic>
 
@@ -15,6 +16,29 @@
 #endif
 
 namespace crossbar {
+
+namespace {
+
+// libcuda's handle if this process has loaded it, else null. A failing
+// dlopen(RTLD_NOLOAD) still searches the library path (hundreds of failing openat
+// calls, 50-500 us), and every host collective asks for both buffers. The loader's
+// count of objects ever added only grows, so a miss stays valid until it changes.
+void* loadedLibcuda() {
+  static std::atomic<unsigned long long> missed_at{~0ull};
+  unsigned long long adds = 0;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) {
+        *static_cast<unsigned long long*>(data) = info->dlpi_adds;
+        return 1;
+      },
+      &adds);
+  if (adds == missed_at.load(std::memory_order_relaxed)) return nullptr;
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (!h) missed_at.store(adds, std::memory_order_relaxed);
+  return h;
+}
+
+}  // namespace
 
 #if defined(CROSSBAR_HAVE_CUDA_COLLECTIVES)
 
@@ -31,7 +55,7 @@ namespace {
 bool driverLoaded() {
   static std::atomic<bool> loaded{false};
   if (loaded.load(std::memory_order_relaxed)) return true;
-  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  void* h = loadedLibcuda();
   if (!h) return false;
   dlclose(h);
   loaded.store(true, std::memory_order_relaxed);
@@ -112,7 +136,7 @@ MemoryKind pointerMemoryKind(const void* ptr) {
   if (!ptr) return MemoryKind::kHost;
   GetAttribute f = get.load(std::memory_order_acquire);
   if (!f) {
-    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);  // kept open: f stays valid
+    void* h = loadedLibcuda();  // kept open: f stays valid
     if (!h) return MemoryKind::kHost;
     f = reinterpret_cast<GetAttribute>(dlsym(h, "cuPointerGetAttribute"));
     if (!f) return MemoryKind::kHost;
