@@ -817,10 +817,21 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
       }
       return false;
     };
-    if (RequestPtr r = pendingNet(); r && r->engine())
+    if (RequestPtr r = pendingNet(); r && r->engine()) {
       r->engine()->waitUntil([&] { return r->done() || slotsMoved(); }, Deadline::after(Millis(1)));
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    } else {
+      // Only local forwarders left (our own forwarding is done): sleep until the first one
+      // that has more to send signals again.
+      bool waited = false;
+      for (int j = 0; j < im.L && !waited; ++j) {
+        const int f = im.node_ranks[im.me_node][j];
+        // Skip forwarders that sent their last signal (they may wait for others' counts).
+        if (f == im.rank || ff[j].done || (ff[j].final && ff[j].signals == ff[j].final_signals)) continue;
+        im.dbuf->waitSignalValue(f, kDispatchData, ff[j].signals + 1, dl);
+        waited = true;
+      }
+      if (!waited) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
     clk.lap(final_out ? "wait local" : "wait net");
   }
   for (int j = 0; j < im.L; ++j)
