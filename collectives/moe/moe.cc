@@ -947,7 +947,14 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
     for (size_t p = 0; p < rows.size(); ++p) {
       const char* src = static_cast<const char*>(y) + static_cast<size_t>(rows[p]) * H * yes;
       float w = weights ? weights[rows[p]] : 1.0f;
-      for (size_t c = 0; c < H; ++c) slot[p * H + c] = loadAsFloat(src, y_type, c) * w;
+      float* dst = slot + p * H;
+      if (y_type == DataType::kFloat32) {
+        const auto* yf = reinterpret_cast<const float*>(src);
+        for (size_t c = 0; c < H; ++c) dst[c] = yf[c] * w;
+      } else {
+        const auto* yb = reinterpret_cast<const BFloat16*>(src);
+        for (size_t c = 0; c < H; ++c) dst[c] = yb[c].toFloat() * w;
+      }
     }
     if (f != im.rank) {
       im.cbuf->putSignal(f, kCombineData);
