@@ -31,18 +31,23 @@ std::chrono::milliseconds storeTimeout(Deadline d) {
   return std::max(d.remaining(), Millis(1));
 }
 
-// c10d's store errors as crossbar's typed ones (DistStoreError is what a wait's timeout throws).
-[[noreturn]] void rethrowStoreError(const std::string& what) {
+// c10d's store errors as crossbar's typed ones. A wait's timeout is DistStoreError from
+// TCPStore but a plain c10::Error ("Wait timeout") from FileStore: so any failure of a wait
+// whose deadline has passed (`timed_out`) is a Timeout too, which callers waiting in
+// slices (the symmetric heap's rendezvous) retry until their own deadline.
+[[noreturn]] void rethrowStoreError(const std::string& what, bool timed_out = false) {
   try {
+    throw;
+  } catch (const crossbar::Error&) {
     throw;
   } catch (const c10::DistStoreError& e) {
     throw Timeout(fmt::format("{}torch store: {} timed out: {}", errorContext(-1, "store"), what, e.what()));
   } catch (const c10::DistNetworkError& e) {
     throw PeerFailure(fmt::format("{}torch store: {} failed; is the store server still up? {}",
                                   errorContext(-1, "store"), what, e.what()));
-  } catch (const crossbar::Error&) {
-    throw;
   } catch (const std::exception& e) {
+    if (timed_out)
+      throw Timeout(fmt::format("{}torch store: {} timed out: {}", errorContext(-1, "store"), what, e.what()));
     throw SystemError(fmt::format("{}torch store: {} failed: {}", errorContext(-1, "store"), what, e.what()));
   }
 }
@@ -137,9 +142,10 @@ struct Reduction {
 Reduction mapReduction(at::ScalarType s, const c10d::ReduceOp& rop, int rank, const char* opname) {
   auto unsupportedOp = [&](const char* name) {
     return Unsupported(fmt::format(
-        "{}reduce op {} is not supported by crossbar (no bitwise reductions); use SUM/PRODUCT/MIN/MAX/AVG/"
-        "PREMUL_SUM, or run this op on a gloo group (new_group(backend=\"gloo\"))",
-        errorContext(rank, opname), name));
+        "{}reduce op {} is not supported by crossbar for {} tensors; use SUM/PRODUCT/MIN/MAX/AVG/PREMUL_SUM "
+        "(BAND/BOR/BXOR take integer and bool tensors), or run this op on a gloo group "
+        "(new_group(backend=\"gloo\"))",
+        errorContext(rank, opname), name, scalarName(s)));
   };
   Reduction r{};
   switch (rop.op_) {
@@ -197,6 +203,38 @@ Reduction mapReduction(at::ScalarType s, const c10d::ReduceOp& rop, int rank, co
     throw Unsupported(fmt::format("{}PREMUL_SUM needs a floating-point tensor, got {}; use SUM and scale",
                                   errorContext(rank, opname), scalarName(s)));
   return r;
+}
+
+// Bitwise reductions (BAND/BOR/BXOR, integer and bool tensors). crossbar's reduction
+// kernels have no bitwise ops, so these move every rank's contribution (allgather, gather
+// to the root, or all-to-all of the chunks) and fold them with torch: world-size times
+// the traffic of a reduction, fine for the masks and flags these ops carry. Each call
+// site below branches on isBitwise() before mapReduction().
+bool isBitwise(const c10d::ReduceOp& rop) {
+  return rop.op_ == c10d::ReduceOp::BAND || rop.op_ == c10d::ReduceOp::BOR || rop.op_ == c10d::ReduceOp::BXOR;
+}
+
+void checkBitwise(const at::Tensor& t, int rank, const char* opname) {
+  if (!at::isIntegralType(t.scalar_type(), /*includeBool=*/true))
+    throw Unsupported(fmt::format("{}bitwise reductions (BAND/BOR/BXOR) need an integer or bool tensor, got {}",
+                                  errorContext(rank, opname), scalarName(t.scalar_type())));
+}
+
+// `rows` holds `ranks` contributions of `out.numel()` elements each, in rank order; their
+// fold goes into `out`. Unsigned 16/32/64-bit tensors fold through a signed view (same
+// bits: torch's bitwise kernels skip the barebones unsigned types).
+void bitwiseFoldInto(at::Tensor out, const at::Tensor& rows, int ranks, c10d::ReduceOp::RedOpType op) {
+  at::Tensor r = rows.view({ranks, out.numel()});
+  if (r.scalar_type() == at::ScalarType::UInt16) r = r.view(at::kShort);
+  if (r.scalar_type() == at::ScalarType::UInt32) r = r.view(at::kInt);
+  if (r.scalar_type() == at::ScalarType::UInt64) r = r.view(at::kLong);
+  at::Tensor acc = r[0].clone();
+  for (int i = 1; i < ranks; ++i) {
+    if (op == c10d::ReduceOp::BAND) acc.bitwise_and_(r[i]);
+    else if (op == c10d::ReduceOp::BOR) acc.bitwise_or_(r[i]);
+    else acc.bitwise_xor_(r[i]);
+  }
+  out.copy_(acc.view(rows.scalar_type()).view(out.sizes()));
 }
 
 // A contiguous tensor holding `t`'s data (t itself when already contiguous).
@@ -300,7 +338,7 @@ Bytes TorchStoreAdapter::get(const std::string& key, Deadline deadline) {
     store_->wait({key}, storeTimeout(deadline));
     return store_->get(key);
   } catch (...) {
-    rethrowStoreError("get(" + key + ")");
+    rethrowStoreError("get(" + key + ")", deadline.expired());
   }
 }
 
@@ -334,7 +372,7 @@ void TorchStoreAdapter::wait(const std::vector<std::string>& keys, Deadline dead
   } catch (...) {
     std::string names;
     for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;
-    rethrowStoreError("wait([" + names + "])");
+    rethrowStoreError("wait([" + names + "])", deadline.expired());
   }
 }
 
@@ -734,18 +772,24 @@ void CrossbarBackend::p2pLoop() {
       std::exception_ptr err;
       if (w->underlyingDone(&err)) {
         w->complete(err);
+        if (err) {  // for getError(), like the collectives' failures
+          std::lock_guard<std::mutex> lk(m_);
+          if (!first_error_) first_error_ = err;
+        }
         return true;
       }
       if (w->deadline.expired()) {
         std::string what;
         for (const auto& r : w->requests)
           if (!r->done()) what += (what.empty() ? "" : ", ") + r->what();
-        w->complete(std::make_exception_ptr(Timeout(
+        err = std::make_exception_ptr(Timeout(
             fmt::format("{}{} did not finish within {} ms (the peer never posted the matching operation?)",
-                        errorContext(rank_, "p2p"), what, w->getTimeout().count()))));
+                        errorContext(rank_, "p2p"), what, w->getTimeout().count())));
+        w->complete(err);
         // The transport may still write into the buffers: keep them alive until shutdown.
         std::lock_guard<std::mutex> lk(m_);
         orphans_.push_back(w);
+        if (!first_error_) first_error_ = err;
         return true;
       }
       return false;
@@ -1008,6 +1052,18 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allreduce(std::vector<at::Tensor
                                                           const c10d::AllreduceOptions& opts) {
   checkSingle(tensors, rank_, "allreduce");
   at::Tensor t = tensors[0];
+  if (isBitwise(opts.reduceOp)) {
+    checkBitwise(t, rank_, "allreduce");
+    CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+    return submit(c10d::OpType::ALLREDUCE, "allreduce", tensors, o.timeout, t, [&](CrossbarWork& w, Ops& ops) {
+      at::Tensor src = contiguousCopy(t);
+      at::Tensor rows = flatLike(t, t.numel() * size_);
+      Moved m = movedType(src);
+      w.keepalive = {src, rows};
+      w.post = [t, rows, size = size_, op = opts.reduceOp.op_] { bitwiseFoldInto(t, rows, size, op); };
+      w.coll = ops.allgather(src.data_ptr(), rows.data_ptr(), elems(src) * m.scale, m.type, o);
+    });
+  }
   Reduction r = mapReduction(t.scalar_type(), opts.reduceOp, rank_, "allreduce");
   CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
   return submit(c10d::OpType::ALLREDUCE, "allreduce", tensors, o.timeout, t, [&](CrossbarWork& w, Ops& ops) {
@@ -1022,6 +1078,33 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::allreduce(std::vector<at::Tensor
 c10::intrusive_ptr<c10d::Work> CrossbarBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   checkTensors(tensors, rank_, "allreduce_coalesced");
+  if (isBitwise(opts.reduceOp)) {
+    for (const auto& t : tensors) checkBitwise(t, rank_, "allreduce_coalesced");
+    CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+    return submit(c10d::OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors, o.timeout, firstOf(tensors),
+                  [&](CrossbarWork& w, Ops& ops) {
+                    std::vector<std::function<void()>> post;
+                    ops.groupStart();
+                    try {
+                      for (const auto& t : tensors) {
+                        at::Tensor src = contiguousCopy(t);
+                        at::Tensor rows = flatLike(t, t.numel() * size_);
+                        Moved m = movedType(src);
+                        w.keepalive.push_back(src);
+                        w.keepalive.push_back(rows);
+                        post.push_back([t, rows, size = size_, op = opts.reduceOp.op_] {
+                          bitwiseFoldInto(t, rows, size, op);
+                        });
+                        ops.allgather(src.data_ptr(), rows.data_ptr(), elems(src) * m.scale, m.type, o);
+                      }
+                    } catch (...) {
+                      ops.groupEnd();
+                      throw;
+                    }
+                    w.coll = ops.groupEnd();
+                    w.post = sequence(std::move(post));
+                  });
+  }
   std::vector<Reduction> rs;
   for (const auto& t : tensors)
     rs.push_back(mapReduction(t.scalar_type(), opts.reduceOp, rank_, "allreduce"));
@@ -1050,6 +1133,23 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce(std::vector<at::Tensor>& 
   checkSingle(tensors, rank_, "reduce");
   at::Tensor t = tensors[0];
   const int root = static_cast<int>(opts.rootRank);
+  if (isBitwise(opts.reduceOp)) {
+    checkBitwise(t, rank_, "reduce");
+    CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+    return submit(c10d::OpType::REDUCE, "reduce", tensors, o.timeout, t, [&](CrossbarWork& w, Ops& ops) {
+      at::Tensor src = contiguousCopy(t);
+      Moved m = movedType(src);
+      w.keepalive = {src};
+      void* recv = nullptr;
+      if (rank_ == root) {  // non-root inputs stay unchanged
+        at::Tensor rows = flatLike(t, t.numel() * size_);
+        w.keepalive.push_back(rows);
+        recv = rows.data_ptr();
+        w.post = [t, rows, size = size_, op = opts.reduceOp.op_] { bitwiseFoldInto(t, rows, size, op); };
+      }
+      w.coll = ops.gather(src.data_ptr(), recv, elems(src) * m.scale, root, m.type, o);
+    });
+  }
   Reduction r = mapReduction(t.scalar_type(), opts.reduceOp, rank_, "reduce");
   CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
   return submit(c10d::OpType::REDUCE, "reduce", tensors, o.timeout, t, [&](CrossbarWork& w, Ops& ops) {
@@ -1299,6 +1399,21 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce_scatter(std::vector<at::T
       throw InvalidArgument(errorContext(rank_, "reduce_scatter") +
                             "input tensors must match the output's size");
   }
+  if (isBitwise(opts.reduceOp)) {
+    checkBitwise(out, rank_, "reduce_scatter");
+    CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+    return submit(c10d::OpType::REDUCE_SCATTER, "reduce_scatter", outputs, o.timeout, out,
+                  [&](CrossbarWork& w, Ops& ops) {
+                    std::vector<at::Tensor> flat_ins;
+                    for (const auto& i : ins) flat_ins.push_back(i.reshape({-1}));
+                    at::Tensor src = at::cat(flat_ins);
+                    at::Tensor rows = flatLike(out, out.numel() * size_);  // my chunk from every rank
+                    Moved m = movedType(src);
+                    w.keepalive = {src, rows};
+                    w.post = [out, rows, size = size_, op = opts.reduceOp.op_] { bitwiseFoldInto(out, rows, size, op); };
+                    w.coll = ops.alltoall(src.data_ptr(), rows.data_ptr(), elems(out) * m.scale, m.type, o);
+                  });
+  }
   Reduction r = mapReduction(out.scalar_type(), opts.reduceOp, rank_, "reduce_scatter");
   CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
   return submit(c10d::OpType::REDUCE_SCATTER, "reduce_scatter", outputs, o.timeout, out, [&](CrossbarWork& w, Ops& ops) {
@@ -1322,6 +1437,21 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::_reduce_scatter_base(at::Tensor&
     throw InvalidArgument(fmt::format("{}input has {} elements, expected output ({}) x world size ({})",
                                       errorContext(rank_, "reduce_scatter_tensor"), input.numel(),
                                       output.numel(), size_));
+  if (isBitwise(opts.reduceOp)) {
+    checkBitwise(output, rank_, "reduce_scatter_tensor");
+    CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+    return submit(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {output}, o.timeout, input,
+                  [&](CrossbarWork& w, Ops& ops) {
+                    at::Tensor src = contiguousCopy(input);
+                    at::Tensor rows = flatLike(output, output.numel() * size_);
+                    Moved m = movedType(src);
+                    w.keepalive = {src, rows};
+                    w.post = [output, rows, size = size_, op = opts.reduceOp.op_] {
+                      bitwiseFoldInto(output, rows, size, op);
+                    };
+                    w.coll = ops.alltoall(src.data_ptr(), rows.data_ptr(), elems(output) * m.scale, m.type, o);
+                  });
+  }
   Reduction r = mapReduction(output.scalar_type(), opts.reduceOp, rank_, "reduce_scatter_tensor");
   CollOptions o{timeoutOf(opts.timeout), "", r.scalar};
   return submit(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {output}, o.timeout,
@@ -1343,6 +1473,39 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::reduce_scatter_tensor_coalesced(
                           "needs as many outputs as inputs");
   checkTensors(inputs, rank_, "reduce_scatter_tensor_coalesced");
   checkTensors(outputs, rank_, "reduce_scatter_tensor_coalesced");
+  if (isBitwise(opts.reduceOp)) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      checkSameType(outputs[i], inputs[i], rank_, "reduce_scatter_tensor_coalesced");
+      checkBitwise(outputs[i], rank_, "reduce_scatter_tensor_coalesced");
+      if (inputs[i].numel() != outputs[i].numel() * size_)
+        throw InvalidArgument(errorContext(rank_, "reduce_scatter_tensor_coalesced") +
+                              "each input needs output size x world size elements");
+    }
+    CollOptions o{timeoutOf(opts.timeout), "", 1.0};
+    return submit(reduceScatterCoalescedType<c10d::OpType>(0), "reduce_scatter_tensor_coalesced", outputs,
+                  o.timeout, firstOf(inputs), [&](CrossbarWork& w, Ops& ops) {
+                    std::vector<std::function<void()>> post;
+                    ops.groupStart();
+                    try {
+                      for (size_t i = 0; i < inputs.size(); ++i) {
+                        at::Tensor src = contiguousCopy(inputs[i]);
+                        at::Tensor rows = flatLike(outputs[i], outputs[i].numel() * size_);
+                        Moved m = movedType(src);
+                        w.keepalive.push_back(src);
+                        w.keepalive.push_back(rows);
+                        post.push_back([out = outputs[i], rows, size = size_, op = opts.reduceOp.op_] {
+                          bitwiseFoldInto(out, rows, size, op);
+                        });
+                        ops.alltoall(src.data_ptr(), rows.data_ptr(), elems(outputs[i]) * m.scale, m.type, o);
+                      }
+                    } catch (...) {
+                      ops.groupEnd();
+                      throw;
+                    }
+                    w.coll = ops.groupEnd();
+                    w.post = sequence(std::move(post));
+                  });
+  }
   std::vector<Reduction> rs;
   for (size_t i = 0; i < inputs.size(); ++i) {
     checkSameType(outputs[i], inputs[i], rank_, "reduce_scatter_tensor_coalesced");

@@ -191,6 +191,8 @@ class CrossbarBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // torch.distributed.monitored_barrier (blocking; gloo's protocol, see monitored_barrier.cc).
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks = false) override;
 
   // Not `override`: these are not declared by every supported torch version.
   bool supportsCoalescing() const { return true; }

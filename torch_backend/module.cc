@@ -82,10 +82,25 @@ PYBIND11_MODULE(_C, m) {
            "Collective: every rank of the group constructs one (rendezvous through `store`).")
       .def_property_readonly("supports_coalescing", [](const CrossbarBackend&) { return true; })
       .def_property_readonly("supports_splitting", [](const CrossbarBackend&) { return true; })
-      // new_group() on a device-bound default group asks non-members of the new group
-      // to take part in a split; crossbar's new_group builds a fresh communicator
-      // instead (members only), so there is nothing to do.
-      .def("perform_nocolor_split", [](const CrossbarBackend&, const py::object& /*device*/) {})
+      // new_group() on a device-bound default group (init_process_group(device_id=...)):
+      // members split the default group's communicator (_split_for_group, from
+      // crossbar._create_backend) and non-members take part here, as with NCCL's
+      // ncclCommSplit: Communicator::split is collective over the parent.
+      .def(
+          "perform_nocolor_split",
+          [](CrossbarBackend& b, const py::object& /*device*/) {
+            b.split(nullptr, std::vector<int>{}, nullptr);  // not a member: no child
+          },
+          py::arg("device"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "_split_for_group",
+          [](CrossbarBackend& b, const std::vector<int>& ranks, std::chrono::milliseconds timeout) {
+            // The child shares the parent's transports and topology; only the timeout is its own.
+            return b.split(nullptr, ranks, c10::make_intrusive<CrossbarBackend::Options>(timeout));
+          },
+          py::arg("ranks"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
+          "Collective over this group: the backend of the new group `ranks` (this group's ranks; the "
+          "position is the new rank), sharing this group's transports; None where this rank is not in `ranks`.")
       .def("describe", [](const CrossbarBackend& b) { return b.communicator().describe(); })
       .def("abort", &CrossbarBackend::abort, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &CrossbarBackend::shutdown, py::call_guard<py::gil_scoped_release>())

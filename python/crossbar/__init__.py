@@ -64,10 +64,39 @@ def _to_timedelta(t) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(t))
 
 
+def _split_source(dist_opts):
+    """The crossbar backend a new group splits from, or None for a fresh communicator.
+
+    torch hands a backend ``split_from`` (the default group's) when the default group is
+    bound to a device (``init_process_group(..., device_id=torch.device("cpu", 0))`` or a
+    CUDA device): then every rank of the default group takes part, non-members through
+    ``perform_nocolor_split``, so the new group can be a split of the default group's
+    communicator (its transports and rendezvous reused). ``new_group(...,
+    use_local_synchronization=True)`` runs on members only, so it cannot split; torch names
+    those groups by a hash of their ranks, the others by a counter.
+    """
+    parent = getattr(dist_opts, "split_from", None)
+    if not isinstance(parent, _C.ProcessGroupCrossbar):
+        return None  # no split offered, or another backend's (e.g. NCCL for "cpu:crossbar,cuda:nccl")
+    if not dist_opts.global_ranks_in_group or not str(getattr(dist_opts, "group_id", "")).isdigit():
+        return None
+    return parent
+
+
 def _create_backend(dist_opts, backend_options):
     """torch.distributed's extended-API factory: one backend per process group."""
     opts = backend_options if isinstance(backend_options, Options) else Options()
     timeout = _to_timedelta(opts.timeout if opts.timeout is not None else dist_opts.timeout)
+    parent = _split_source(dist_opts)
+    if parent is not None:
+        backend = parent._split_for_group(list(dist_opts.global_ranks_in_group), timeout)
+        if backend is None or backend.rank() != dist_opts.group_rank or backend.size() != dist_opts.group_size:
+            raise errors.InvalidUsage(
+                f"rank {dist_opts.group_rank}: split for new_group {list(dist_opts.global_ranks_in_group)} gave "
+                f"{'no group' if backend is None else f'rank {backend.rank()} of {backend.size()}'}; "
+                "torch and crossbar disagree about the group's ranks"
+            )
+        return backend
     name = opts.name or (f"pg:{dist_opts.group_id}" if getattr(dist_opts, "group_id", "") else "torch")
     return _C.ProcessGroupCrossbar(
         dist_opts.store,

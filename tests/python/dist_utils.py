@@ -7,7 +7,7 @@ import tempfile
 import torch.multiprocessing as mp
 
 
-def _entry(rank, fn, world, store_path, backend, args):
+def _entry(rank, fn, world, store_path, backend, args, device_id=None):
     import torch.distributed as dist
 
     import crossbar  # noqa: F401  (registers the backend)
@@ -18,6 +18,7 @@ def _entry(rank, fn, world, store_path, backend, args):
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
+        device_id=device_id,
     )
     try:
         fn(rank, world, *args)
@@ -25,13 +26,16 @@ def _entry(rank, fn, world, store_path, backend, args):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world, *args, backend="cpu:crossbar"):
-    """Calls fn(rank, world, *args) in `world` processes after init_process_group(backend)."""
+def run_ranks(fn, world, *args, backend="cpu:crossbar", device_id=None):
+    """Calls fn(rank, world, *args) in `world` processes after init_process_group(backend).
+
+    device_id binds the default group to a device (torch then builds new groups by
+    splitting it, see crossbar._split_source)."""
     fd, path = tempfile.mkstemp(prefix="crossbar_store_")
     os.close(fd)
     os.remove(path)
     try:
-        mp.spawn(_entry, args=(fn, world, path, backend, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(fn, world, path, backend, args, device_id), nprocs=world, join=True)
     finally:
         if os.path.exists(path):
             os.remove(path)
