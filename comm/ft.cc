@@ -332,6 +332,30 @@ void FailureDetector::probe(bool send, const std::set<int>& known, std::vector<P
                                 std::chrono::duration_cast<Millis>(now - p.last_seen).count())});
     }
   }
+  // A cut link usually cuts a whole node off. Once a revoke goes out nobody probes any
+  // more, so report now the cut peer's node-mates that were silent for over half the
+  // bound too (their last probe may just have slipped through): otherwise the revoke
+  // names only some ranks of that node and a leader among the others keeps both sides.
+  std::set<int> cut_nodes;
+  for (const auto& f : found)
+    if (f.kind == FailureKind::kUnreachable) cut_nodes.insert(comm_->nodeOf(f.rank));
+  for (auto& p : probes_) {
+    if (cut_nodes.empty()) break;
+    if (known.count(p.rank) || !cut_nodes.count(comm_->nodeOf(p.rank))) continue;
+    if (std::any_of(found.begin(), found.end(), [&](const PeerFault& f) { return f.rank == p.rank; })) continue;
+    Clock::time_point heartbeat;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      heartbeat = last_change_[p.rank];
+    }
+    if (now - p.last_seen > detect_timeout_ / 2 && now - heartbeat < detect_timeout_ / 2 && !leftCleanly(p.rank))
+      found.push_back(
+          PeerFault{p.rank, FailureKind::kUnreachable, members_[p.rank].host, members_[p.rank].pid, rank_,
+                    fmt::format("no data-path probe over {} for {} ms while its store heartbeat continues, and "
+                                "a peer on its node is cut off",
+                                comm_->context().transportName(comm_->worldRank(p.rank)),
+                                std::chrono::duration_cast<Millis>(now - p.last_seen).count())});
+  }
 }
 
 std::exception_ptr FailureDetector::errorFor(const std::vector<PeerFault>& faults,
@@ -688,14 +712,12 @@ std::string FaultTolerantComm::awaitDecision(const std::function<std::string()>&
   const std::string op = shrinking ? "shrink" : "grow";
   while (true) {
     if (es->check({"decision"})) return toString(es->get("decision", overall));
-    // Leader: the lowest rank not known to have failed. "Unreachable" is one rank's
-    // view of a link, not a fact about the peer: adopted from another rank's revoke it
-    // would depose a leader this rank can reach (a cut link's far side would elect a
-    // leader on our side). Dead, hung and own findings count (also against this rank:
-    // a stopped rank that resumes must not decide for the others).
+    // Leader: the lowest rank no known fault names, own or adopted from a revoke. Adopted
+    // "unreachable" faults count too: after a revoke nobody probes any more, so for a
+    // cut link seen by one side only, the far side's accusation is the only evidence
+    // (a rank on the accused side must then not lead: it would keep both sides).
     std::set<int> failed;
-    for (const auto& f : detector_->faults())
-      if (f.reporter == comm_->rank() || f.kind != FailureKind::kUnreachable) failed.insert(f.rank);
+    for (const auto& f : detector_->faults()) failed.insert(f.rank);
     int leader = 0;
     while (failed.count(leader)) ++leader;
     if (leader == comm_->rank()) return leader_decide();
