@@ -74,19 +74,20 @@ class NetnsPair {
     return !up || waitCarrier(out);
   }
 
-  // Until both ends have carrier (LOWER_UP), at most 5 s: UCX lists a device without
-  // it as unavailable ("network device ... is not available", UCS_ERR_NO_DEVICE), which
-  // a rank starting right after `link set up` on a loaded machine ran into.
+  // Until both ends are operationally up ("state UP": IFF_RUNNING, set by the kernel's
+  // linkwatch, which may lag the carrier by up to a second), at most 5 s: UCX lists a
+  // device that is not running as unavailable ("network device ... is not available",
+  // UCS_ERR_NO_DEVICE), which a rank starting right after `link set up` ran into.
   bool waitCarrier(std::string* out) const {
     for (int i = 0; i < 250; ++i) {
       bool up = true;
       for (int k = 0; k < 2 && up; ++k)
         up = run(fmt::format("ip -n {} link show dev {}", ns[k], dev[k]), out) &&
-             out->find("LOWER_UP") != std::string::npos;
+             out->find("LOWER_UP") != std::string::npos && out->find("state UP") != std::string::npos;
       if (up) return true;
       ::usleep(20'000);
     }
-    *out = fmt::format("the veth pair {} / {} has no carrier 5 s after `link set up`: {}", dev[0], dev[1], *out);
+    *out = fmt::format("the veth pair {} / {} is not up 5 s after `link set up`: {}", dev[0], dev[1], *out);
     return false;
   }
 
