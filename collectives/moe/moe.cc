@@ -160,6 +160,10 @@ struct MoeBuffer::Impl {
   std::shared_ptr<symm::SymmetricBuffer> dbuf, cbuf;
   uint64_t dispatches = 0, combines = 0, ops = 0;
   std::vector<std::vector<uint8_t>> net_send, net_recv;  // [node]
+  // Combine's scratch, kept across calls: fresh tens of MB per call cost page faults.
+  std::vector<std::vector<uint8_t>> comb_back;  // [node]: partials coming back
+  std::vector<float> comb_acc;                  // [F rows x hidden]: this forwarder's sums
+  std::vector<uint8_t> comb_acc16;              // ... as bf16 for the wire
 
   std::string ctx(const char* op) const { return errorContext(rank, op); }
   Deadline deadline() const {
@@ -968,7 +972,8 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   // one rounding of each node's partial sum; the source still sums in f32).
   const bool wire16 = im.cfg.combine_wire == DataType::kBFloat16;
   const size_t ws = wire16 ? 2 : 4;
-  std::vector<std::vector<uint8_t>> back(im.N);
+  auto& back = im.comb_back;
+  back.resize(im.N);
   std::vector<std::vector<RequestPtr>> recvs(im.N);                     // [node]: every message
   std::vector<std::vector<std::vector<RequestPtr>>> recv_chunks(im.N);  // [node][chunk]: its messages
   for (int m = 0; m < im.N; ++m) {
@@ -1008,8 +1013,10 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
       for (size_t p = 0; p < list.size(); ++p) contrib[fill[list[p]]++] = s + p * H;
     }
   }
-  std::vector<float> acc(nf * H, 0.0f);
-  std::vector<uint8_t> acc16(wire16 ? nf * H * 2 : 0);
+  auto& acc = im.comb_acc;
+  acc.assign(nf * H, 0.0f);
+  auto& acc16 = im.comb_acc16;
+  acc16.resize(wire16 ? nf * H * 2 : 0);
   auto reduce = [&](size_t i) {
     float* a = acc.data() + i * H;
     for (size_t q = first[i]; q < first[i + 1]; ++q)
