@@ -138,13 +138,19 @@ std::string getString(std::string_view name) { return raw(name); }
 int64_t getMillis(std::string_view name) {
   std::string t = lower(raw(name));
   auto fail = [&] {
-    return InvalidArgument(fmt::format("{}={}: expected a duration such as 500ms, 30s, 5m or a number of milliseconds", name, raw(name)));
+    return InvalidArgument(fmt::format("{}={}: expected a duration such as 500ms, 30s or 5m", name, raw(name)));
   };
   char* end = nullptr;
   errno = 0;
   double value = std::strtod(t.c_str(), &end);
   if (end == t.c_str() || !(value >= 0) || errno == ERANGE) throw fail();  // !(>=) also catches NaN
   std::string suffix(end);
+  // A bare number is ambiguous (torch and NCCL users think in seconds): demand a unit,
+  // except for 0 and for variables whose name says milliseconds.
+  if (suffix.empty() && value != 0 && !name.ends_with("_MS"))
+    throw InvalidArgument(fmt::format("{}={}: a bare number is ambiguous; write a unit, e.g. {}s for seconds or "
+                                      "{}ms for milliseconds",
+                                      name, raw(name), raw(name), raw(name)));
   double scale = 0;
   if (suffix.empty() || suffix == "ms") scale = 1;
   else if (suffix == "s") scale = 1000;

@@ -439,6 +439,20 @@ TEST(Parsers, EnvEdgeCasesFoundByFuzzing) {
   }
   ScopedEnv e("CROSSBAR_TIMEOUT", "1.5s");
   EXPECT_EQ(env::getMillis("CROSSBAR_TIMEOUT"), 1500);
+  {
+    // A bare number read as milliseconds turned CROSSBAR_TIMEOUT=30 (meant: seconds) into 30 ms.
+    ScopedEnv bare("CROSSBAR_TIMEOUT", "30");
+    try {
+      env::getMillis("CROSSBAR_TIMEOUT");
+      ADD_FAILURE() << "a bare number was accepted";
+    } catch (const InvalidArgument& err) {
+      EXPECT_NE(std::string(err.what()).find("30s"), std::string::npos) << err.what();
+    }
+    ScopedEnv zero("CROSSBAR_TIMEOUT", "0");
+    EXPECT_EQ(env::getMillis("CROSSBAR_TIMEOUT"), 0);
+    ScopedEnv ms("CROSSBAR_TELEMETRY_STALL_MS", "25");  // the name says milliseconds
+    EXPECT_EQ(env::getMillis("CROSSBAR_TELEMETRY_STALL_MS"), 25);
+  }
 }
 
 TEST(Parsers, HostlistExpansionIsBounded) {
