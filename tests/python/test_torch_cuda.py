@@ -130,6 +130,19 @@ def _collectives(rank, world):
     dist.all_reduce(col)
     same(m[:, 1], torch.arange(12.0).view(4, 3)[:, 1] * sum(r + 1 for r in range(world)), "non-contiguous")
     same(m[:, 0], torch.arange(12.0).view(4, 3)[:, 0] * (rank + 1), "untouched column")
+    # Bitwise reductions (allgather / all-to-all on the stream, then torch's fold there).
+    bits = [torch.tensor([0b1100, 0b1010, 0b0110, 0b0001], dtype=torch.int32) << r for r in range(world)]
+    for op, fold in ((R.BAND, torch.bitwise_and), (R.BOR, torch.bitwise_or), (R.BXOR, torch.bitwise_xor)):
+        ref = bits[0]
+        for b in bits[1:]:
+            ref = fold(ref, b)
+        t = bits[rank].to(dev)
+        dist.all_reduce(t, op=op)
+        assert torch.equal(t.cpu(), ref), (op, t, ref)
+        big = torch.cat([bits[rank]] * world).to(dev)
+        out = torch.empty(4, dtype=torch.int32, device=dev)
+        dist.reduce_scatter_tensor(out, big, op=op)
+        assert torch.equal(out.cpu(), ref), (op, out, ref)
     # Async works: stream ordering, futures, completion.
     ts = [torch.full((1 << 16,), float(rank + i), device=dev) for i in range(4)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
