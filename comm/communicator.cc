@@ -131,6 +131,27 @@ void Context::abort(const std::string& reason, std::exception_ptr given) {
   });
 }
 
+void Context::throwIfAborted(const std::string& prefix) const {
+  if (!aborted()) return;
+  std::string reason = abort_reason_;
+  std::vector<int> peers;
+  ErrorCode code = ErrorCode::kAborted;
+  if (auto e = abortError()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      reason = err.what();
+      peers = err.peers();
+      code = err.code();
+    } catch (const std::exception& err) {
+      reason = err.what();
+    }
+  }
+  if (code == ErrorCode::kPeerFailure) throw PeerFailure(prefix + reason, std::move(peers));
+  if (code == ErrorCode::kTimeout) throw Timeout(prefix + reason, std::move(peers));
+  throw Aborted(prefix + reason, std::move(peers));
+}
+
 // ------------------------------------------------------------------------------------
 // Communicator
 
@@ -333,12 +354,20 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key) {
   struct Entry { int color, key, rank; };
   std::vector<Entry> entries;
   for (int r = 0; r < size(); ++r) {
+    // In slices, so an abort (a peer died before reaching split) ends the wait at once
+    // instead of at the deadline.
     std::string text;
-    try {
-      text = toString(store_->get(fmt::format("split/{}/{}", seq, r), deadline));
-    } catch (const Timeout&) {
-      throw Timeout(fmt::format("{}rank {} (host {}) did not call split() within the deadline",
-                                errorContext(rank_, op), r, host(r)), {r});
+    while (text.empty()) {
+      context_->throwIfAborted(errorContext(rank_, op) +
+                               fmt::format("the communicator was aborted while waiting for rank {}'s split(): ", r));
+      try {
+        text = toString(store_->get(fmt::format("split/{}/{}", seq, r), deadline.min(Deadline::after(Millis(100)))));
+      } catch (const Timeout&) {
+        if (deadline.expired())
+          throw Timeout(fmt::format("{}rank {} (host {}) did not call split() within the deadline",
+                                    errorContext(rank_, op), r, host(r)),
+                        {r});
+      }
     }
     std::istringstream in(text);
     Entry e{0, 0, r};

@@ -43,6 +43,10 @@ class Context {
   std::exception_ptr abortError() const { return aborted_.load() ? abort_error_ : nullptr; }
   bool aborted() const { return aborted_.load(); }
   const std::string& abortReason() const { return abort_reason_; }
+  // For waits outside the transports (store, rendezvous): once aborted, throws the abort's
+  // own error type and peers (PeerFailure, Timeout, else Aborted), the message prefixed
+  // with `prefix`; returns when not aborted.
+  void throwIfAborted(const std::string& prefix) const;
 
  private:
   Context() = default;

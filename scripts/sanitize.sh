@@ -50,10 +50,7 @@ tsan_ctest_jobs=${TSAN_CTEST_JOBS:-$jobs}
 #  * UcxTransportTest.OneGiB: two 1 GiB byte loops under TSan's instrumentation plus the
 #    transfer exceed the test's 90 s rank limit (a size test; AllPairs64MiB* run the same
 #    UCX paths under TSan, ASan runs it at 1 GiB).
-#  * FtKill.RandomRankDuringCollectives4: a known bug that TSan's timing exposes (finding
-#    19: a rank dying before the lazily created hierarchical sub-communicators' split()
-#    leaves the survivors waiting for the communicator timeout); remove once fixed.
-tsan_exclude='^perf\.([a-z_]+_perf\.nranks2|all_reduce\.all_types_ops|reduce_scatter\.all_types_ops|reduce\.all_roots|alltoall\.virtual_nodes|inject_error|inject_error_rooted|min_bw|json|timestamps_per_iter|output_file|blocking_outer|memory_unalign|disabled_note|compare|sendrecv\.large_in_place)$|^MoeNetns\.SmallRunMatchesFlatAllToAll$|UcxTransportTest\.OneGiB/|^FtKill\.RandomRankDuringCollectives4$'
+tsan_exclude='^perf\.([a-z_]+_perf\.nranks2|all_reduce\.all_types_ops|reduce_scatter\.all_types_ops|reduce\.all_roots|alltoall\.virtual_nodes|inject_error|inject_error_rooted|min_bw|json|timestamps_per_iter|output_file|blocking_outer|memory_unalign|disabled_note|compare|sendrecv\.large_in_place)$|^MoeNetns\.SmallRunMatchesFlatAllToAll$|UcxTransportTest\.OneGiB/'
 phase_times=()
 
 # Sanitizer runtime settings. UCX patches malloc/mmap for its memory-event hooks, which

@@ -178,26 +178,7 @@ struct HeapImpl {
   // peers, prefixed with this operation and `waiting` (what it was waiting for).
   void throwIfAborted(std::string_view op, std::string_view waiting) const {
     auto c = context.lock();
-    if (!c || !c->aborted()) return;
-    std::string reason = c->abortReason();
-    std::vector<int> peers;
-    ErrorCode code = ErrorCode::kAborted;
-    if (auto e = c->abortError()) {
-      try {
-        std::rethrow_exception(e);
-      } catch (const Error& err) {
-        reason = err.what();
-        peers = err.peers();
-        code = err.code();
-      } catch (const std::exception& err) {
-        reason = err.what();
-      }
-    }
-    std::string message = ctx(op) + fmt::format("the communicator was aborted while this rank waited for {}: {}",
-                                                waiting, reason);
-    if (code == ErrorCode::kPeerFailure) throw PeerFailure(message, std::move(peers));
-    if (code == ErrorCode::kTimeout) throw Timeout(message, std::move(peers));
-    throw Aborted(message, std::move(peers));
+    if (c) c->throwIfAborted(ctx(op) + fmt::format("the communicator was aborted while this rank waited for {}: ", waiting));
   }
 
   // Runs a blocking rendezvous step in slices of at most kSleepSlice, so an abort or

@@ -205,6 +205,33 @@ TEST(Communicator, AbortFailsPendingAndIsIdempotent) {
   });
 }
 
+TEST(Communicator, AbortEndsSplitWaitingForAPeer) {
+  // split() waits on the store for every rank's color; a peer that died before calling
+  // it used to hold the others until the full timeout (300 s) despite an abort.
+  runRanks(2, [](RankEnv& env) {
+    CommOptions o;
+    o.timeout = Millis(60'000);
+    auto c = env.communicator(o);
+    if (env.rank == 0) {
+      std::thread watchdog([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        c->abort("test watchdog");
+      });
+      auto t0 = Clock::now();
+      try {
+        c->split(0, 0);
+        ADD_FAILURE() << "split without rank 1 succeeded";
+      } catch (const Aborted& e) {
+        EXPECT_NE(std::string(e.what()).find("rank 1's split()"), std::string::npos) << e.what();
+      }
+      EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 10.0);
+      watchdog.join();
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // never calls split
+    }
+  });
+}
+
 TEST(Communicator, BadArguments) {
   runRanks(2, [](RankEnv& env) {
     auto c = env.communicator();
