@@ -2,6 +2,7 @@
 // multi-rank job with no launcher (perf binaries' --nranks N, the demo).
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -11,6 +12,28 @@
 #include "comm/store.h"
 
 namespace crossbar {
+
+// A TCP store server (127.0.0.1, ephemeral port) in its own forked process, ended with
+// this object or when the parent dies. The parent keeps no server thread, so it can
+// fork ranks safely: a live thread at fork time can leave children stuck on locks it
+// held (sanitizer allocators, malloc arenas), and ThreadSanitizer refuses such forks.
+class ForkedStoreServer {
+ public:
+  ForkedStoreServer();
+  ~ForkedStoreServer();
+  ForkedStoreServer(const ForkedStoreServer&) = delete;
+  ForkedStoreServer& operator=(const ForkedStoreServer&) = delete;
+  uint16_t port() const { return port_; }
+  // Forked ranks close their inherited copy (closeInChild), so only the parent's end
+  // keeps the server alive.
+  void closeInChild() const;
+
+ private:
+  void stop();
+  int pid_ = -1;
+  int life_fd_ = -1;
+  uint16_t port_ = 0;
+};
 
 struct LocalLaunchOptions {
   Millis timeout{0};  // 0: no limit besides the ranks' own deadlines

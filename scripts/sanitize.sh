@@ -40,17 +40,11 @@ ctest_exclude='install|gpu'
 # timeout keeps a hang from eating the CI's time.
 asan_ctest_jobs=${ASAN_CTEST_JOBS:-$(((jobs + 1) / 2))}
 tsan_ctest_jobs=${TSAN_CTEST_JOBS:-$jobs}
-# Not under TSan (docs/reliability.md "Sanitizers", findings 17-19), by name:
-#  * the perf binaries self-launching ranks (--nranks; their mpirun2 runs stay) and
-#    moe_netns_bench (MoeNetns.SmallRunMatchesFlatAllToAll): the launcher forks its ranks
-#    after starting a thread (the TCP store server), which TSan does not support ("starting
-#    new threads after multi-threaded fork is not supported"; with die_after_fork=0 the
-#    children abort with "dup thread with used id"). The same collectives run under TSan
-#    in test_collectives / test_perf_driver, and these binaries under ASan+UBSan.
+# Not under TSan (docs/reliability.md "Sanitizers"), by name:
 #  * UcxTransportTest.OneGiB: two 1 GiB byte loops under TSan's instrumentation plus the
 #    transfer exceed the test's 90 s rank limit (a size test; AllPairs64MiB* run the same
 #    UCX paths under TSan, ASan runs it at 1 GiB).
-tsan_exclude='^perf\.([a-z_]+_perf\.nranks2|all_reduce\.all_types_ops|reduce_scatter\.all_types_ops|reduce\.all_roots|alltoall\.virtual_nodes|inject_error|inject_error_rooted|min_bw|json|timestamps_per_iter|output_file|blocking_outer|memory_unalign|disabled_note|compare|sendrecv\.large_in_place)$|^MoeNetns\.SmallRunMatchesFlatAllToAll$|UcxTransportTest\.OneGiB/'
+tsan_exclude='UcxTransportTest\.OneGiB/'
 phase_times=()
 
 # Sanitizer runtime settings. UCX patches malloc/mmap for its memory-event hooks, which

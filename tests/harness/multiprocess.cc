@@ -14,6 +14,7 @@
 #include <cstring>
 #include <thread>
 
+#include "comm/local_launch.h"
 #include "comm/log.h"
 #include "comm/tcp_store.h"
 
@@ -81,73 +82,11 @@ void writeAll(int fd, const std::string& s) {
   _exit(code);
 }
 
-// The store serves from its own forked process, not a thread of ours: forking ranks
-// from a parent with a live server thread can deadlock them on locks that thread held
-// at fork time (sanitizer allocators, malloc arenas).
-class StoreProcess {
- public:
-  StoreProcess() {
-    int port_pipe[2], life_pipe[2];
-    if (pipe(port_pipe) != 0 || pipe(life_pipe) != 0) throw std::runtime_error("pipe failed");
-    std::fflush(stdout);
-    std::fflush(stderr);
-    pid_ = fork();
-    if (pid_ < 0) throw std::runtime_error("fork failed");
-    if (pid_ == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      ::close(port_pipe[0]);
-      ::close(life_pipe[1]);
-      uint16_t port = 0;
-      try {
-        TcpStoreServer server("127.0.0.1", 0);
-        port = server.port();
-        writeAll(port_pipe[1], std::string(reinterpret_cast<const char*>(&port), sizeof(port)));
-        // Serve until the parent closes its end (or dies).
-        for (char c;;)
-          if (::read(life_pipe[0], &c, 1) >= 0 || errno != EINTR) break;
-        server.stop();
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "test store process: %s\n", e.what());
-      }
-      _exit(port ? 0 : 1);
-    }
-    ::close(port_pipe[1]);
-    ::close(life_pipe[0]);
-    life_fd_ = life_pipe[1];
-    ssize_t n;
-    do {
-      n = ::read(port_pipe[0], &port_, sizeof(port_));
-    } while (n < 0 && errno == EINTR);
-    ::close(port_pipe[0]);
-    if (n != sizeof(port_)) {
-      stop();
-      throw std::runtime_error("the test store process failed to start");
-    }
-  }
-  ~StoreProcess() { stop(); }
-  uint16_t port() const { return port_; }
-  int lifeFd() const { return life_fd_; }  // ranks close their inherited copy
-
- private:
-  void stop() {
-    if (life_fd_ >= 0) ::close(life_fd_);
-    life_fd_ = -1;
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    pid_ = -1;
-  }
-  pid_t pid_ = -1;
-  int life_fd_ = -1;
-  uint16_t port_ = 0;
-};
-
 }  // namespace
 
 std::vector<RankResult> runRanks(int size, const std::function<void(RankEnv&)>& body,
                                  RunOptions options, bool expect_ok) {
-  StoreProcess server;
+  ForkedStoreServer server;  // no server thread here: ranks fork from a thread-free parent
   const uint16_t port = server.port();
   const std::string addr = fmt::format("127.0.0.1:{}", port);
 
@@ -162,7 +101,7 @@ std::vector<RankResult> runRanks(int size, const std::function<void(RankEnv&)>& 
     pid_t pid = fork();
     if (pid == 0) {
       ::close(p[0]);
-      ::close(server.lifeFd());
+      server.closeInChild();
       for (int q = 0; q < r; ++q) ::close(fds[q]);
       runChild(r, size, addr, port, p[1], body, options);
     }
