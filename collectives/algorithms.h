@@ -20,6 +20,17 @@
 
 namespace crossbar {
 
+// Byte views of the untyped buffers the algorithms move, and chunk counts.
+inline char* cp(void* p) {
+  return static_cast<char*>(p);
+}
+inline const char* ccp(const void* p) {
+  return static_cast<const char*>(p);
+}
+inline size_t ceilDiv(size_t a, size_t b) {
+  return (a + b - 1) / b;
+}
+
 enum class CollType {
   kAllreduce,
   kAllgather,

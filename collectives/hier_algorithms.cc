@@ -49,15 +49,6 @@ constexpr int kSlotInbound = 5;    // reduce_scatter / alltoall: blocks from oth
 constexpr int kSlotInPlace = 6;    // alltoall in place: a copy of the input
 constexpr uint32_t kSubInter = 8;  // inter-node sub-tags (another communicator; kept apart anyway)
 
-inline char* cp(void* p) {
-  return static_cast<char*>(p);
-}
-inline const char* ccp(const void* p) {
-  return static_cast<const char*>(p);
-}
-size_t ceilDiv(size_t a, size_t b) {
-  return (a + b - 1) / b;
-}
 
 // CROSSBAR_COLL_HIER_CHUNK, read once.
 size_t hierChunkBytes() {

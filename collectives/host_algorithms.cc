@@ -21,12 +21,6 @@ namespace {
 
 constexpr size_t kMaxChunks = 256;  // bounds the request count of one pipelined pass
 
-inline char* cp(void* p) {
-  return static_cast<char*>(p);
-}
-inline const char* ccp(const void* p) {
-  return static_cast<const char*>(p);
-}
 inline int mod(long v, int p) {
   return static_cast<int>(((v % p) + p) % p);
 }

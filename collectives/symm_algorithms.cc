@@ -208,15 +208,6 @@ SymmStaging& SymmCache::get(Communicator& comm) {
 
 namespace {
 
-inline char* cp(void* p) {
-  return static_cast<char*>(p);
-}
-inline const char* ccp(const void* p) {
-  return static_cast<const char*>(p);
-}
-size_t ceilDiv(size_t a, size_t b) {
-  return (a + b - 1) / b;
-}
 
 // Copy of `bytes`; streaming stores for large pieces when `nt` (output that is not
 // read again soon: no read-for-ownership, no cache pollution).
