@@ -1,6 +1,7 @@
 #include "comm/communicator.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <map>
@@ -400,6 +401,55 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key) {
 }
 
 std::shared_ptr<Communicator> Communicator::dup() { return split(0, rank_); }
+
+std::shared_ptr<Communicator> Communicator::splitMembers(const std::vector<int>& ranks) {
+  const std::string op = name_ + " members-only split";
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  if (ranks.empty() || sorted.front() < 0 || sorted.back() >= size() ||
+      std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+    throw InvalidArgument(fmt::format("{}ranks [{}] must be distinct ranks of {} (size {})", errorContext(rank_, op),
+                                      fmt::join(ranks, ","), name_, size()));
+  auto me = std::find(ranks.begin(), ranks.end(), rank_);
+  if (me == ranks.end()) return nullptr;
+  const int new_rank = static_cast<int>(me - ranks.begin());
+  // Members agree on the key without non-members: it names the list and how many
+  // splits of this list this member made before (the parent's store is per parent).
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a over the ranks, in order
+  for (int r : ranks) hash = (hash ^ static_cast<uint32_t>(r)) * 1099511628211ull;
+  const uint64_t seq = member_split_count_[ranks]++;
+  const std::string id_key = fmt::format("msplit/{}/{:016x}/{}", ranks.size(), hash, seq);
+  std::vector<int> members;
+  for (int r : ranks) members.push_back(members_[r]);
+  const std::string list = ranks.size() <= 8 ? fmt::format("{}", fmt::join(ranks, ","))
+                                              : fmt::format("{},{},...({} ranks)", ranks[0], ranks[1], ranks.size());
+  const std::string name = fmt::format("{}.[{}]{}", name_, list, seq ? fmt::format("#{}", seq) : "");
+  // The first member allocates the new communicator id; the others wait for it.
+  if (new_rank == 0) {
+    int64_t id = context_->store()->add("next_comm_id", 1);
+    if (id > kMaxCommId)
+      throw Unsupported(fmt::format("{}more than {} communicators were created in this job", errorContext(rank_, op),
+                                    kMaxCommId));
+    store_->set(id_key, std::to_string(id));
+    return makeChild(std::move(members), 0, static_cast<uint32_t>(id), name);
+  }
+  const Deadline deadline = defaultDeadline();
+  std::string text;
+  while (text.empty()) {  // in slices, so an abort ends the wait at once
+    context_->throwIfAborted(errorContext(rank_, op) +
+                             fmt::format("the communicator was aborted while waiting for rank {}: ", ranks[0]));
+    try {
+      text = toString(store_->get(id_key, deadline.min(Deadline::after(Millis(100)))));
+    } catch (const Timeout&) {
+      if (deadline.expired())
+        throw Timeout(fmt::format("{}rank {} (host {}), the first of [{}], did not make split {} of this list within "
+                                  "the deadline; every member must call splitMembers with the same list",
+                                  errorContext(rank_, op), ranks[0], host(ranks[0]), list, seq),
+                      {ranks[0]});
+    }
+  }
+  return makeChild(std::move(members), new_rank, static_cast<uint32_t>(std::stoul(text)), name);
+}
 
 std::shared_ptr<Communicator> Communicator::makeChild(std::vector<int> members, int new_rank, uint32_t id,
                                                       const std::string& name) {

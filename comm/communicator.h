@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,6 +74,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // (key, old rank). color < 0 returns nullptr (not a member).
   std::shared_ptr<Communicator> split(int color, int key);
   std::shared_ptr<Communicator> dup();
+  // Members only: the ranks in `ranks` (this communicator's ranks, no duplicates) form a
+  // new communicator sharing these transports; the new rank is the position in `ranks`.
+  // Only members call it, all with the same list; the n-th call with a list on each
+  // member makes the same communicator (calls for different lists may come in any
+  // order). Returns nullptr, without communicating, when this rank is not in `ranks`.
+  std::shared_ptr<Communicator> splitMembers(const std::vector<int>& ranks);
 
   // Fails every pending operation with Aborted; thread-safe, idempotent, nonblocking.
   void abort(const std::string& reason = "abort() called");
@@ -105,6 +112,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   uint32_t id_ = 0;           // tag namespace of this communicator (< 2^16)
   uint64_t epoch_ = 0;
   uint64_t split_count_ = 0;  // collective calls to split/dup so far (agree across ranks)
+  std::map<std::vector<int>, uint64_t> member_split_count_;  // splitMembers calls per list
   std::string name_;
   Millis timeout_{0};
   std::vector<int> local_peers_;  // communicator ranks on my node, in rank order
