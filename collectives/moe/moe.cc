@@ -20,6 +20,7 @@
 
 #include "collectives/float_types.h"
 #include "collectives/moe/host_codec.h"
+#include "collectives/moe/moe_plan.h"
 #include "comm/env.h"
 #include "comm/errors.h"
 #include "comm/log.h"
@@ -105,14 +106,6 @@ void pump(const std::vector<RequestPtr>& reqs) {
     }
 }
 
-struct RowHeader {
-  int32_t src_rank;
-  int32_t src_token;
-  float global_scale;
-  int32_t reserved;
-};
-static_assert(sizeof(RowHeader) == 16);
-
 // Accumulates wall time per named phase into MoeMetrics::phases: lap(name) charges the time
 // since the previous lap to `name`.
 class PhaseClock {
@@ -149,6 +142,7 @@ struct MoeBuffer::Impl {
   std::vector<std::vector<int>> node_ranks;  // [node index][local index] -> rank
   std::vector<int> node_of;                  // rank -> node index
   std::vector<int> local_of;                 // rank -> local index in its node
+  MoeTopology topo;                          // the same, shared with the CUDA executor
   size_t es = 2;                             // element size of cfg.dtype
   size_t off_topk = 0, off_w = 0, off_scales = 0, off_payload = 0, scale_bytes = 0, payload_bytes = 0;
   size_t row = 0, fmax = 0, dslot = 0, cslot = 0, slot_hdr = 16;
@@ -236,56 +230,29 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
   im->rank = comm->rank();
   im->R = comm->size();
   const char* op = "moe create";
-  if (cfg.num_experts <= 0 || cfg.num_experts % im->R != 0)
-    throw InvalidArgument(im->ctx(op) + fmt::format("{} experts cannot be spread evenly over {} ranks: use a "
-                                                    "multiple of the communicator size",
-                                                    cfg.num_experts, im->R));
-  if (cfg.hidden == 0 || cfg.topk <= 0 || cfg.max_tokens == 0)
-    throw InvalidArgument(im->ctx(op) +
-                          fmt::format("hidden ({}), topk ({}) and max_tokens ({}) must be positive",
-                                      cfg.hidden, cfg.topk, cfg.max_tokens));
-  if (cfg.dtype != DataType::kBFloat16 && cfg.dtype != DataType::kFloat32)
-    throw InvalidArgument(im->ctx(op) + "tokens must be bfloat16 or float32");
-  if (cfg.max_tokens > (size_t{1} << 30)) throw InvalidArgument(im->ctx(op) + "max_tokens is too large");
-  if (cfg.combine_wire != DataType::kFloat32 && cfg.combine_wire != DataType::kBFloat16)
-    throw InvalidArgument(im->ctx(op) + "combine_wire must be float32 or bfloat16");
-  im->epr = cfg.num_experts / im->R;
-
-  // Nodes in order of their first rank; every node must have the same number of ranks
-  // (the forwarder of local index l must exist on every node).
-  std::map<int, int> index_of_node;
-  im->node_of.resize(im->R);
-  for (int r = 0; r < im->R; ++r) {
-    auto [it, added] = index_of_node.try_emplace(comm->nodeOf(r), static_cast<int>(im->node_ranks.size()));
-    if (added) im->node_ranks.emplace_back();
-    im->local_of.push_back(static_cast<int>(im->node_ranks[it->second].size()));
-    im->node_ranks[it->second].push_back(r);
-    im->node_of[r] = it->second;
+  {
+    MoeTopology t = makeTopology(*comm, cfg, op);
+    im->epr = t.epr;
+    im->N = t.N;
+    im->L = t.L;
+    im->me_node = t.me_node;
+    im->me_local = t.me_local;
+    im->node_ranks = t.node_ranks;
+    im->node_of = t.node_of;
+    im->local_of = t.local_of;
+    im->topo = std::move(t);
   }
-  im->N = static_cast<int>(im->node_ranks.size());
-  im->L = static_cast<int>(im->node_ranks[0].size());
-  for (const auto& n : im->node_ranks)
-    if (static_cast<int>(n.size()) != im->L)
-      throw Unsupported(im->ctx(op) +
-                        "nodes with different numbers of ranks: the hierarchical all-to-all pairs "
-                        "ranks of equal local index across nodes");
-  im->me_node = im->node_of[im->rank];
-  const auto& mine = im->node_ranks[im->me_node];
-  im->me_local = static_cast<int>(std::find(mine.begin(), mine.end(), im->rank) - mine.begin());
-
-  im->es = elementSize(cfg.dtype);
-  const size_t k = static_cast<size_t>(cfg.topk);
-  im->off_topk = sizeof(RowHeader);
-  im->off_w = im->off_topk + 8 * k;
-  im->off_scales = align16(im->off_w + 4 * k);
-  if (im->quantized()) {
-    im->scale_bytes = scaleBytes(payloadCodec(cfg.format), cfg.hidden);
-    im->payload_bytes = payloadBytes(payloadCodec(cfg.format), cfg.hidden);
-  } else {
-    im->payload_bytes = cfg.hidden * im->es;
+  {
+    const RowFormat f = makeRowFormat(cfg);
+    im->es = f.es;
+    im->off_topk = f.off_topk;
+    im->off_w = f.off_w;
+    im->off_scales = f.off_scales;
+    im->off_payload = f.off_payload;
+    im->scale_bytes = f.scale_bytes;
+    im->payload_bytes = f.payload_bytes;
+    im->row = f.row;
   }
-  im->off_payload = align16(im->off_scales + im->scale_bytes);
-  im->row = align16(im->off_payload + im->payload_bytes);
   im->fmax = static_cast<size_t>(im->N) * cfg.max_tokens;
   {
     const int64_t ct = cfg.chunk_tokens != -1 ? cfg.chunk_tokens : env::getInt("CROSSBAR_MOE_CHUNK_TOKENS");
@@ -326,46 +293,7 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
 
 Layout MoeBuffer::Impl::layout(const int64_t* topk_idx, size_t tokens, int num_experts,
                                const char* op) const {
-  if (num_experts <= 0 || num_experts % R != 0)
-    throw InvalidArgument(ctx(op) +
-                          fmt::format("{} experts cannot be spread evenly over {} ranks", num_experts, R));
-  if (tokens > 0 && !topk_idx) throw InvalidArgument(ctx(op) + "topk_idx is null");
-  const int per_rank = num_experts / R;
-  const int k = cfg.topk;
-  Layout l;
-  l.tokens = tokens;
-  l.tokens_per_rank.assign(R, 0);
-  l.tokens_per_node.assign(N, 0);
-  l.tokens_per_expert.assign(num_experts, 0);
-  l.is_token_in_rank.assign(tokens * R, 0);
-  std::vector<int> node_seen(N, -1);
-  for (size_t t = 0; t < tokens; ++t) {
-    for (int j = 0; j < k; ++j) {
-      int64_t e = topk_idx[t * k + j];
-      if (e == -1) continue;
-      if (e < -1 || e >= num_experts)
-        throw InvalidArgument(
-            ctx(op) +
-            fmt::format("topk_idx[{}, {}] = {} is not an expert id in [0, {}) or -1", t, j, e, num_experts));
-      ++l.tokens_per_expert[e];
-      ++l.token_expert_pairs;
-      int r = static_cast<int>(e / per_rank);
-      if (node_of[r] != me_node) ++l.remote_token_expert_pairs;
-      uint8_t& in = l.is_token_in_rank[t * R + r];
-      if (in) continue;
-      in = 1;
-      ++l.tokens_per_rank[r];
-      ++l.token_rank_pairs;
-      int n = node_of[r];
-      if (node_seen[n] != static_cast<int>(t)) {
-        node_seen[n] = static_cast<int>(t);
-        ++l.tokens_per_node[n];
-        ++l.token_node_pairs;
-        if (n != me_node) ++l.remote_token_node_pairs;
-      }
-    }
-  }
-  return l;
+  return computeLayout(topo, cfg.topk, topk_idx, tokens, num_experts, ctx(op));
 }
 
 Layout MoeBuffer::layout(const int64_t* topk_idx, size_t tokens, int num_experts) const {
@@ -436,14 +364,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     h->stats = cached->stats;
   } else {
     h->stats = im.layout(topk_idx, tokens, cfg.num_experts, op);
-    h->node_send.assign(im.N, {});
-    for (size_t t = 0; t < tokens; ++t)
-      for (int n = 0; n < im.N; ++n)
-        for (int r : im.node_ranks[n])
-          if (h->stats.is_token_in_rank[t * im.R + r]) {
-            h->node_send[n].push_back(static_cast<int32_t>(t));
-            break;
-          }
+    h->node_send = nodeSendLists(im.topo, h->stats);
     h->stats.is_token_in_rank.clear();
   }
   const Deadline dl = im.deadline();
@@ -595,7 +516,6 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   std::vector<const uint8_t*> rec_of;  // [output row]: its record in our slots
   bool sized = false;
   size_t n = 0;
-  const int64_t first_expert = static_cast<int64_t>(im.rank) * im.epr;
   auto mySlot = [&](int j) { return im.dbuf->local<char>(static_cast<size_t>(j) * im.dslot); };
   auto receive = [&]() -> bool {
     bool moved = false;
@@ -852,7 +772,9 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   res.recv_per_rank.assign(im.R, 0);
   res.topk_idx.resize(n * k);
   res.topk_weights.resize(n * k);
-  res.tokens_per_expert.assign(im.epr, 0);
+  ExpertAssigner assigner(im.topo, cfg.topk, cfg.expert_capacity);
+  std::vector<int64_t> idx_scratch(k);
+  std::vector<float> w_scratch(k);
   for (size_t i = 0; i < n; ++i) {
     const uint8_t* rec = rec_of[i];
     if (!rec) throw InternalError(im.ctx(op) + fmt::format("row {} of {} was announced but never arrived", i, n));
@@ -861,20 +783,15 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     res.src_rank[i] = hd.src_rank;
     res.src_token[i] = hd.src_token;
     ++res.recv_per_rank[hd.src_rank];
-    const auto* idx = reinterpret_cast<const int64_t*>(rec + im.off_topk);
-    const auto* w = reinterpret_cast<const float*>(rec + im.off_w);
-    for (size_t j = 0; j < k; ++j) {
-      int64_t e = idx[j] - first_expert;
-      bool local = idx[j] >= 0 && e >= 0 && e < im.epr;
-      if (local && cfg.expert_capacity >= 0 && res.tokens_per_expert[e] >= cfg.expert_capacity) {
-        local = false;
-        ++res.metrics.dropped;
-      }
-      res.topk_idx[i * k + j] = local ? e : -1;
-      res.topk_weights[i * k + j] = local ? w[j] : 0.0f;
-      if (local) ++res.tokens_per_expert[e];
-    }
+    // Unaligned in the record (offset 16): copy before reading.
+    std::vector<int64_t>& idx = idx_scratch;
+    std::vector<float>& w = w_scratch;
+    std::memcpy(idx.data(), rec + im.off_topk, 8 * k);
+    std::memcpy(w.data(), rec + im.off_w, 4 * k);
+    assigner.assign(idx.data(), w.data(), res.topk_idx.data() + i * k, res.topk_weights.data() + i * k);
   }
+  res.tokens_per_expert = assigner.tokensPerExpert();
+  res.metrics.dropped = assigner.dropped();
   clk.lap("decode");
   // Our slots are copied out: the forwarders may overwrite them (next dispatch).
   for (int j = 0; j < im.L; ++j) {
@@ -884,45 +801,21 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   ++im.dispatches;
 
   // Expert-major copy.
-  res.expert_offsets.assign(im.epr + 1, 0);
-  for (int e = 0; e < im.epr; ++e)
-    res.expert_offsets[e + 1] = res.expert_offsets[e] + res.tokens_per_expert[e];
-  res.expert_rows.resize(res.expert_offsets[im.epr]);
-  res.expert_weights.resize(res.expert_rows.size());
-  if (cfg.expert_major_copy) res.x_expert_major.resize(res.expert_rows.size() * H * im.es);
-  std::vector<int> fill(res.expert_offsets.begin(), res.expert_offsets.end() - 1);
-  for (size_t i = 0; i < n; ++i)
-    for (size_t j = 0; j < k; ++j) {
-      int64_t e = res.topk_idx[i * k + j];
-      if (e < 0) continue;
-      int pos = fill[e]++;
-      res.expert_rows[pos] = static_cast<int32_t>(i);
-      res.expert_weights[pos] = res.topk_weights[i * k + j];
-      if (cfg.expert_major_copy)
-        std::memcpy(res.x_expert_major.data() + pos * H * im.es, res.x.data() + i * H * im.es, H * im.es);
-    }
-  clk.lap("expert major");
-
-  const auto& st = h->stats;
   {
-    // A flat all-to-all sends one row per (token, expert) whose expert is not on this rank.
-    size_t own = 0;
-    for (int e = 0; e < im.epr && !st.tokens_per_expert.empty(); ++e)
-      own += st.tokens_per_expert[first_expert + e];
-    res.metrics.flat_bytes = (st.token_expert_pairs - own) * im.row;
+    ExpertMajorIndex em = expertMajorIndex(res.topk_idx, n, cfg.topk, res.tokens_per_expert);
+    res.expert_offsets = std::move(em.offsets);
+    res.expert_rows = std::move(em.rows);
+    res.expert_weights.resize(res.expert_rows.size());
+    for (size_t p = 0; p < res.expert_rows.size(); ++p) res.expert_weights[p] = res.topk_weights[em.slots[p]];
+    if (cfg.expert_major_copy) {
+      res.x_expert_major.resize(res.expert_rows.size() * H * im.es);
+      for (size_t p = 0; p < res.expert_rows.size(); ++p)
+        std::memcpy(res.x_expert_major.data() + p * H * im.es,
+                    res.x.data() + static_cast<size_t>(res.expert_rows[p]) * H * im.es, H * im.es);
+    }
   }
-  uint64_t moved = res.metrics.inter_node_bytes + res.metrics.intra_node_bytes;
-  res.metrics.dedup_factor = moved ? static_cast<double>(res.metrics.flat_bytes) / moved : 1.0;
-  res.metrics.network_dedup = st.remote_token_node_pairs ? static_cast<double>(st.remote_token_expert_pairs) /
-                                                               st.remote_token_node_pairs
-                                                         : 1.0;
-  int mx = 0;
-  long sum = 0;
-  for (int c : res.tokens_per_expert) {
-    mx = std::max(mx, c);
-    sum += c;
-  }
-  res.metrics.expert_imbalance = sum ? static_cast<double>(mx) * im.epr / sum : 1.0;
+  clk.lap("expert major");
+  finishDispatchMetrics(res.metrics, im.topo, h->stats, im.row, res.tokens_per_expert);
   res.handle = std::move(h);
   return res;
 }

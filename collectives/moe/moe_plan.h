@@ -1,0 +1,99 @@
+// Planning shared by the host and CUDA executors of the MoE all-to-all (moe.h,
+// cuda/moe_cuda.h): config checks, the node topology, the wire record layout, the routing
+// statistics (layout), which tokens go to which node, the receive-side rewrite of top-k
+// indices to local experts (with the capacity limit), the expert-major index and the
+// metrics. Both executors call these, so they agree on every count and byte.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "collectives/moe/moe.h"
+
+namespace crossbar::moe {
+
+// Nodes in order of their first rank; every node has L ranks (the forwarder of local index
+// l exists on every node). Expert e lives on rank e / epr.
+struct MoeTopology {
+  int rank = 0, R = 1, N = 1, L = 1, me_node = 0, me_local = 0, epr = 1;
+  std::vector<std::vector<int>> node_ranks;  // [node index][local index] -> rank
+  std::vector<int> node_of;                  // rank -> node index
+  std::vector<int> local_of;                 // rank -> local index in its node
+  int rankOfExpert(int64_t e) const { return static_cast<int>(e / epr); }
+  // The rank of this rank's node with local index j.
+  int localRank(int j) const { return node_ranks[me_node][j]; }
+};
+
+// Validates cfg for `comm` (InvalidArgument / Unsupported naming rank and operation) and
+// builds the topology.
+MoeTopology makeTopology(const Communicator& comm, const MoeConfig& cfg, const char* op);
+
+// One token on the wire: [RowHeader 16 B][top-k ids, int64][weights, f32][scales][payload],
+// each part 16-aligned where it matters.
+struct RowHeader {
+  int32_t src_rank;
+  int32_t src_token;
+  float global_scale;  // nvfp4's per-tensor scale of the source rank
+  int32_t reserved;    // host path: the row's index among its source's rows for the receiver
+};
+static_assert(sizeof(RowHeader) == 16);
+
+struct RowFormat {
+  size_t es = 2;  // element size of cfg.dtype
+  size_t off_topk = 0, off_w = 0, off_scales = 0, off_payload = 0;
+  size_t scale_bytes = 0, payload_bytes = 0;
+  size_t row = 0;  // record size
+};
+RowFormat makeRowFormat(const MoeConfig& cfg);
+
+// Routing statistics of topk_idx (InvalidArgument for ids outside [-1, num_experts)).
+Layout computeLayout(const MoeTopology& t, int topk, const int64_t* topk_idx, size_t tokens, int num_experts,
+                     const std::string& ctx);
+
+// [node]: this rank's tokens with an expert on that node, in token order (each once).
+std::vector<std::vector<int32_t>> nodeSendLists(const MoeTopology& t, const Layout& l);
+
+// [local j]: for the routed rows `rows` (each an int64 [topk] id list, in forwarding order),
+// the indices of the rows going to local rank j (each row once per rank holding one of its
+// experts), in order.
+std::vector<std::vector<int32_t>> localTargets(const MoeTopology& t, int topk, int num_experts,
+                                               const int64_t* topk_rows, size_t rows);
+
+// Receive-side rewrite of one row's top-k ids to this rank's local experts, in (source rank,
+// token) order (the capacity drops the later assignments).
+class ExpertAssigner {
+ public:
+  ExpertAssigner(const MoeTopology& t, int topk, int64_t capacity)
+      : first_(static_cast<int64_t>(t.rank) * t.epr), epr_(t.epr), k_(topk), capacity_(capacity),
+        tokens_per_expert_(t.epr, 0) {}
+  // out_idx[j]: local expert or -1; out_w[j] (when both w and out_w are given): w[j] or 0.
+  void assign(const int64_t* idx, const float* w, int64_t* out_idx, float* out_w);
+  const std::vector<int>& tokensPerExpert() const { return tokens_per_expert_; }
+  uint64_t dropped() const { return dropped_; }
+
+ private:
+  int64_t first_;
+  int epr_, k_;
+  int64_t capacity_;
+  std::vector<int> tokens_per_expert_;
+  uint64_t dropped_ = 0;
+};
+
+// Expert-major index of rewritten ids ([n x topk]): rows of local expert e are
+// [offsets[e], offsets[e+1]); rows[p] is the received row, slots[p] = row * topk + j (where
+// its weight is).
+struct ExpertMajorIndex {
+  std::vector<int> offsets;
+  std::vector<int32_t> rows, slots;
+};
+ExpertMajorIndex expertMajorIndex(const std::vector<int64_t>& topk_idx, size_t n, int topk,
+                                  const std::vector<int>& tokens_per_expert);
+
+// Dispatch metrics derivable from the plan: flat bytes, dedup factors, expert imbalance
+// (inter/intra bytes and dropped must be set already).
+void finishDispatchMetrics(MoeMetrics& m, const MoeTopology& t, const Layout& stats, size_t row,
+                           const std::vector<int>& tokens_per_expert);
+
+}  // namespace crossbar::moe
