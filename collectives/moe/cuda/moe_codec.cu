@@ -19,7 +19,9 @@ void check(cudaError_t e, const char* what) {
 
 template <class T>
 __global__ void quantizeKernel(PayloadCodec codec, const T* x, const int32_t* src_rows, size_t rows,
-                               RowLayout l, uint8_t* payload, uint8_t* scales, float global_scale) {
+                               RowLayout l, uint8_t* payload, uint8_t* scales, float global_scale_value,
+                               const float* global_scale_ptr) {
+  const float global_scale = global_scale_ptr ? *global_scale_ptr : global_scale_value;
   const size_t row = blockIdx.y;
   const size_t b = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= rows || b >= numBlocks(codec, l.hidden)) return;
@@ -65,7 +67,11 @@ __global__ void dequantizeKernel(PayloadCodec codec, const uint8_t* payload, con
       mxfp8Dequantize(p + i, count, s[b], dst);
       break;
     case PayloadCodec::kNvfp4:
-      nvfp4Dequantize(p + i / 2, count, s[b], global_scales ? global_scales[row] : 1.0f, dst);
+      nvfp4Dequantize(p + i / 2, count, s[b],
+                      global_scales ? *reinterpret_cast<const float*>(reinterpret_cast<const char*>(global_scales) +
+                                                                      row * l.global_scale_stride)
+                                    : 1.0f,
+                      dst);
       break;
     default:
       break;
@@ -112,19 +118,33 @@ dim3 gridFor(PayloadCodec codec, const RowLayout& l, size_t rows) {
 
 }  // namespace
 
-void quantizeRows(PayloadCodec codec, DataType dtype, const void* x, const int32_t* src_rows, size_t rows,
-                  const RowLayout& l, uint8_t* payload, uint8_t* scales, float global_scale,
-                  cudaStream_t stream) {
+namespace {
+void quantizeLaunch(PayloadCodec codec, DataType dtype, const void* x, const int32_t* src_rows, size_t rows,
+                    const RowLayout& l, uint8_t* payload, uint8_t* scales, float global_scale,
+                    const float* global_scale_ptr, cudaStream_t stream) {
   validate(codec, dtype, l, "quantize");
   if (rows == 0 || l.hidden == 0) return;
   const dim3 grid = gridFor(codec, l, rows);
   if (dtype == DataType::kFloat32)
     quantizeKernel<<<grid, kThreads, 0, stream>>>(codec, static_cast<const float*>(x), src_rows, rows, l,
-                                                  payload, scales, global_scale);
+                                                  payload, scales, global_scale, global_scale_ptr);
   else
     quantizeKernel<<<grid, kThreads, 0, stream>>>(codec, static_cast<const BFloat16*>(x), src_rows, rows, l,
-                                                  payload, scales, global_scale);
+                                                  payload, scales, global_scale, global_scale_ptr);
   check(cudaGetLastError(), "quantize launch");
+}
+}  // namespace
+
+void quantizeRows(PayloadCodec codec, DataType dtype, const void* x, const int32_t* src_rows, size_t rows,
+                  const RowLayout& l, uint8_t* payload, uint8_t* scales, float global_scale,
+                  cudaStream_t stream) {
+  quantizeLaunch(codec, dtype, x, src_rows, rows, l, payload, scales, global_scale, nullptr, stream);
+}
+
+void quantizeRows(PayloadCodec codec, DataType dtype, const void* x, const int32_t* src_rows, size_t rows,
+                  const RowLayout& l, uint8_t* payload, uint8_t* scales, const float* global_scale,
+                  cudaStream_t stream) {
+  quantizeLaunch(codec, dtype, x, src_rows, rows, l, payload, scales, 1.0f, global_scale, stream);
 }
 
 void dequantizeRows(PayloadCodec codec, DataType dtype, const uint8_t* payload, const uint8_t* scales,

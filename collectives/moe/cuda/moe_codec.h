@@ -22,6 +22,7 @@ struct RowLayout {
   size_t hidden = 0;
   size_t payload_stride = 0;  // bytes between consecutive rows' payloads
   size_t scale_stride = 0;    // bytes between consecutive rows' scales (4-aligned for kFp8Block128)
+  size_t global_scale_stride = sizeof(float);  // bytes between dequantizeRows' per-row global scales
 };
 
 // payload/scales of row i <- x[src_rows ? src_rows[i] : i] (x: [*, hidden] of `dtype`,
@@ -31,8 +32,15 @@ void quantizeRows(PayloadCodec codec, DataType dtype, const void* x, const int32
                   const RowLayout& layout, uint8_t* payload, uint8_t* scales, float global_scale,
                   cudaStream_t stream);
 
+// The same with nvfp4's per-tensor scale read from device memory (stream-ordered: computed
+// by an earlier kernel, e.g. tensorAmax + nvfp4GlobalScale).
+void quantizeRows(PayloadCodec codec, DataType dtype, const void* x, const int32_t* src_rows, size_t rows,
+                  const RowLayout& layout, uint8_t* payload, uint8_t* scales, const float* global_scale,
+                  cudaStream_t stream);
+
 // out[dst_rows ? dst_rows[i] : i] <- row i dequantized (out: [*, hidden] of `dtype`).
-// global_scales: per-row nvfp4 scale (device, [rows]) or null for 1.
+// global_scales: per-row nvfp4 scale (device, row i's at byte i * layout.global_scale_stride,
+// e.g. inside wire records) or null for 1.
 void dequantizeRows(PayloadCodec codec, DataType dtype, const uint8_t* payload, const uint8_t* scales,
                     const float* global_scales, size_t rows, const RowLayout& layout, void* out,
                     const int32_t* dst_rows, cudaStream_t stream);

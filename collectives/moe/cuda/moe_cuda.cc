@@ -1,0 +1,533 @@
+// CUDA executor of the two-level MoE all-to-all (moe_cuda.h). The routing is planned on the
+// host (moe_plan.h, cuda/moe_cuda_plan.h); everything that touches activations is enqueued on
+// the caller's stream: codec / copy / sum kernels (moe_codec.h, moe_kernels.h), NCCL p2p
+// across nodes (CudaCollectives, one send per remote node), kernel writes into the local
+// ranks' CUDA symmetric buffers with stream-memory-operation signals within the node.
+#include "collectives/moe/cuda/moe_cuda.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "collectives/cuda/cuda_collectives.h"
+#include "collectives/moe/cuda/moe_codec.h"
+#include "collectives/moe/cuda/moe_cuda_plan.h"
+#include "collectives/moe/cuda/moe_kernels.h"
+#include "collectives/moe/moe_plan.h"
+#include "comm/errors.h"
+#include "comm/log.h"
+#include "symmem/cuda/cuda_segment_allocator.h"
+#include "symmem/cuda/cuda_symmetric.h"
+#include "symmem/cuda/device_handle.h"
+#include "symmem/cuda/driver_api.h"
+#include "symmem/symmetric_heap.h"
+
+namespace crossbar::moe {
+namespace sys = ::crossbar::cuda;  // symmem/cuda (moe::cuda holds this layer's kernels)
+namespace {
+
+enum Channel { kDispatchData = 0, kDispatchAck = 1, kCombineData = 2, kCombineAck = 3, kNumChannels = 4 };
+// Tags of the plan exchange on the buffer's own (dup'ed) communicator: two per dispatch.
+constexpr uint32_t kPlanTagBase = 0x4D430000u;
+constexpr uint32_t kPlanTagCalls = 0x8000;
+// The codec kernels take at most this many rows per launch.
+constexpr size_t kRowsPerLaunch = 65535;
+
+constexpr size_t align16(size_t v) {
+  return (v + 15) & ~size_t{15};
+}
+
+DeviceStorage deviceAlloc(size_t bytes, int device, const char* what) {
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  sys::checkCuda(cudaMalloc(&p, bytes), fmt::format("moe: cudaMalloc of {} ({} bytes)", what, bytes), device,
+                  "reduce max_tokens / hidden or free device memory");
+  return DeviceStorage(p, [](void* q) { cudaFree(q); });
+}
+
+// fn(offset, count) over [0, n) in pieces the codec kernels accept.
+template <class F>
+void inPieces(size_t n, F&& fn) {
+  for (size_t off = 0; off < n; off += kRowsPerLaunch) fn(off, std::min(kRowsPerLaunch, n - off));
+}
+
+}  // namespace
+
+struct CudaMoeHandle {
+  const void* owner = nullptr;
+  CudaMoePlan plan;
+  std::vector<uint8_t> host_blob;  // the index arrays below, as uploaded
+  DeviceStorage mem;
+  std::vector<const int32_t*> node_send, fwd_to_local, recv_rows;  // device, per node / local rank
+  const int32_t *src_rank = nullptr, *src_token = nullptr, *expert_rows = nullptr, *expert_slots = nullptr;
+  const int64_t* topk_idx = nullptr;
+  // Combine: contributions of F row i are local-buffer float offsets c_offs[c_first[i] ..
+  // c_first[i+1]) (local-rank order); token t's partials are t_src[t_first[t] .. t_first[t+1])
+  // (node << 32 | index in that node's list, node order).
+  const int32_t *c_first = nullptr, *t_first = nullptr;
+  const int64_t *c_offs = nullptr, *t_src = nullptr;
+  size_t nf = 0;
+};
+
+size_t handleNumRecv(const CudaMoeHandle& h) {
+  return h.plan.num_recv;
+}
+
+struct CudaMoeBuffer::Impl {
+  std::shared_ptr<Communicator> comm;  // a dup: the plan exchange has its own tag space
+  MoeConfig cfg;
+  MoeTopology topo;
+  RowFormat fmt;
+  int device = -1;
+  size_t fmax = 0, dslot = 0, cslot = 0, wire_es = 4;
+  symm::SymmetricHeap heap;
+  std::shared_ptr<symm::SymmetricBuffer> dbuf, cbuf;  // [local forwarder j] slots
+  DeviceStorage enc, fbuf, nsend, acc, acc16, back, scalars;
+  float *d_gscale = nullptr, *d_amax = nullptr;
+  int* d_nonfinite = nullptr;
+  std::unique_ptr<CudaCollectives> coll;  // NCCL across nodes (N > 1)
+  cudaEvent_t event = nullptr;
+  uint64_t dispatches = 0, combines = 0, calls = 0;
+  std::string last_op = "none";
+
+  std::string ctx(const char* op) const { return errorContext(topo.rank, op); }
+  Deadline deadline() const {
+    return cfg.timeout.count() > 0 ? Deadline::after(cfg.timeout) : comm->defaultDeadline();
+  }
+  bool quantized() const { return cfg.format != PayloadFormat::kNative; }
+  uint8_t* bytes(const DeviceStorage& s) const { return static_cast<uint8_t*>(s.get()); }
+
+  void waitStream(cudaStream_t s, Deadline dl, const std::string& what) const {
+    sys::checkCuda(cudaEventRecord(event, s), what + ": cudaEventRecord", device);
+    while (true) {
+      const cudaError_t e = cudaEventQuery(event);
+      if (e == cudaSuccess) return;
+      if (e != cudaErrorNotReady)
+        sys::checkCuda(e, what + ": cudaEventQuery", device,
+                        "a kernel or copy on the stream failed; the CUDA context is unusable");
+      if (dl.expired())
+        throw Timeout(ctx(what.c_str()) + "the stream did not get there within the deadline; check that every "
+                                          "rank makes the same MoE calls (a rank's stream waits for its peers' "
+                                          "signals)",
+                      {});
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  std::shared_ptr<const CudaMoeHandle> makeHandle(CudaMoePlan plan, const void* owner, cudaStream_t s);
+};
+
+std::shared_ptr<const CudaMoeHandle> CudaMoeBuffer::Impl::makeHandle(CudaMoePlan plan, const void* owner,
+                                                                     cudaStream_t s) {
+  auto h = std::make_shared<CudaMoeHandle>();
+  h->owner = owner;
+  h->plan = std::move(plan);
+  const CudaMoePlan& p = h->plan;
+  const size_t H = cfg.hidden;
+  // Host-side index arrays, each 16-aligned in one blob (one upload).
+  std::vector<std::pair<size_t, size_t>> parts;  // (offset, bytes)
+  size_t total = 0;
+  auto reserve = [&](size_t n) {
+    parts.emplace_back(total, n);
+    total = align16(total + n);
+    return parts.size() - 1;
+  };
+  auto put = [&](size_t part, const void* src) {
+    if (parts[part].second) std::memcpy(h->host_blob.data() + parts[part].first, src, parts[part].second);
+  };
+  std::vector<size_t> ns(topo.N), fl(topo.L), rr(topo.L);
+  for (int m = 0; m < topo.N; ++m) ns[m] = reserve(p.node_send[m].size() * 4);
+  for (int j = 0; j < topo.L; ++j) fl[j] = reserve(p.fwd_to_local[j].size() * 4);
+  for (int j = 0; j < topo.L; ++j) rr[j] = reserve(p.recv_rows[j].size() * 4);
+  const size_t p_src = reserve(p.num_recv * 4), p_tok = reserve(p.num_recv * 4);
+  const size_t p_idx = reserve(p.topk_idx.size() * 8);
+  const size_t p_er = reserve(p.expert_major.rows.size() * 4), p_es = reserve(p.expert_major.slots.size() * 4);
+
+  // Combine indices.
+  for (size_t c : p.fwd_count) h->nf += c;
+  std::vector<int32_t> c_first(h->nf + 1, 0);
+  for (const auto& list : p.fwd_to_local)
+    for (int32_t f : list) ++c_first[f + 1];
+  for (size_t i = 0; i < h->nf; ++i) c_first[i + 1] += c_first[i];
+  std::vector<int64_t> c_offs(c_first[h->nf]);
+  {
+    std::vector<int32_t> fill(c_first.begin(), c_first.end() - 1);
+    for (int j = 0; j < topo.L; ++j)
+      for (size_t q = 0; q < p.fwd_to_local[j].size(); ++q)
+        c_offs[fill[p.fwd_to_local[j][q]]++] = static_cast<int64_t>(j * (cslot / 4) + q * H);
+  }
+  std::vector<int32_t> t_first(p.tokens + 1, 0);
+  for (const auto& list : p.node_send)
+    for (int32_t t : list) ++t_first[t + 1];
+  for (size_t t = 0; t < p.tokens; ++t) t_first[t + 1] += t_first[t];
+  std::vector<int64_t> t_src(t_first[p.tokens]);
+  {
+    std::vector<int32_t> fill(t_first.begin(), t_first.end() - 1);
+    for (int m = 0; m < topo.N; ++m)
+      for (size_t i = 0; i < p.node_send[m].size(); ++i)
+        t_src[fill[p.node_send[m][i]]++] = (static_cast<int64_t>(m) << 32) | static_cast<int64_t>(i);
+  }
+  const size_t p_cf = reserve(c_first.size() * 4), p_co = reserve(c_offs.size() * 8);
+  const size_t p_tf = reserve(t_first.size() * 4), p_ts = reserve(t_src.size() * 8);
+
+  h->host_blob.assign(total, 0);
+  for (int m = 0; m < topo.N; ++m) put(ns[m], p.node_send[m].data());
+  for (int j = 0; j < topo.L; ++j) put(fl[j], p.fwd_to_local[j].data());
+  for (int j = 0; j < topo.L; ++j) put(rr[j], p.recv_rows[j].data());
+  put(p_src, p.src_rank.data());
+  put(p_tok, p.src_token.data());
+  put(p_idx, p.topk_idx.data());
+  put(p_er, p.expert_major.rows.data());
+  put(p_es, p.expert_major.slots.data());
+  put(p_cf, c_first.data());
+  put(p_co, c_offs.data());
+  put(p_tf, t_first.data());
+  put(p_ts, t_src.data());
+  h->mem = deviceAlloc(total, device, "routing indices");
+  if (total)
+    sys::checkCuda(cudaMemcpyAsync(h->mem.get(), h->host_blob.data(), total, cudaMemcpyHostToDevice, s),
+                    "moe dispatch: upload of the routing indices", device);
+  auto at = [&](size_t part) -> const void* {
+    return parts[part].second ? static_cast<const uint8_t*>(h->mem.get()) + parts[part].first : nullptr;
+  };
+  auto i32 = [&](size_t part) { return static_cast<const int32_t*>(at(part)); };
+  auto i64 = [&](size_t part) { return static_cast<const int64_t*>(at(part)); };
+  for (int m = 0; m < topo.N; ++m) h->node_send.push_back(i32(ns[m]));
+  for (int j = 0; j < topo.L; ++j) h->fwd_to_local.push_back(i32(fl[j]));
+  for (int j = 0; j < topo.L; ++j) h->recv_rows.push_back(i32(rr[j]));
+  h->src_rank = i32(p_src);
+  h->src_token = i32(p_tok);
+  h->topk_idx = i64(p_idx);
+  h->expert_rows = i32(p_er);
+  h->expert_slots = i32(p_es);
+  h->c_first = i32(p_cf);
+  h->c_offs = i64(p_co);
+  h->t_first = i32(p_tf);
+  h->t_src = i64(p_ts);
+  return h;
+}
+
+CudaMoeBuffer::CudaMoeBuffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaMoeBuffer::~CudaMoeBuffer() {
+  if (impl_ && impl_->event) cudaEventDestroy(impl_->event);
+}
+const MoeConfig& CudaMoeBuffer::config() const {
+  return impl_->cfg;
+}
+int CudaMoeBuffer::numLocalExperts() const {
+  return impl_->topo.epr;
+}
+size_t CudaMoeBuffer::rowBytes() const {
+  return impl_->fmt.row;
+}
+int CudaMoeBuffer::device() const {
+  return impl_->device;
+}
+
+std::unique_ptr<CudaMoeBuffer> CudaMoeBuffer::create(std::shared_ptr<Communicator> comm, const MoeConfig& cfg,
+                                                     Options options) {
+  const char* op = "moe create (cuda)";
+  if (!comm) throw InvalidArgument("CudaMoeBuffer::create: null communicator");
+  auto im = std::make_unique<Impl>();
+  im->cfg = cfg;
+  im->topo = makeTopology(*comm, cfg, op);
+  im->fmt = makeRowFormat(cfg);
+  if (im->topo.L > sys::kMaxLocalRanks)
+    throw Unsupported(im->ctx(op) + fmt::format("{} ranks per node: the CUDA MoE path maps at most {} local GPUs",
+                                                im->topo.L, sys::kMaxLocalRanks));
+  int dev = options.device;
+  if (dev < 0 && cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    throw Unsupported(im->ctx(op) + "no CUDA device (cudaGetDevice failed): " + sys::driverUnavailableReason());
+  }
+  sys::ensureContext(dev, op);
+  im->device = dev;
+  im->comm = comm->dup();
+  const size_t H = cfg.hidden, N = static_cast<size_t>(im->topo.N), L = static_cast<size_t>(im->topo.L);
+  const size_t row = im->fmt.row;
+  im->fmax = N * cfg.max_tokens;
+  im->dslot = im->fmax * row;
+  im->cslot = im->fmax * H * sizeof(float);
+  im->wire_es = cfg.combine_wire == DataType::kBFloat16 ? 2 : 4;
+
+  symm::HeapOptions ho;
+  ho.channels = kNumChannels;
+  ho.name = "moe-cuda";
+  ho.remote_access = false;  // off-node traffic goes through NCCL
+  ho.allocator = sys::makeCudaSegmentAllocator(dev);
+  im->heap = symm::SymmetricHeap::create(im->comm, ho);
+  im->dbuf = im->heap.allocate(L * im->dslot);
+  im->cbuf = im->heap.allocate(L * im->cslot);
+
+  im->enc = deviceAlloc(cfg.max_tokens * row, dev, "encoded tokens");
+  im->fbuf = deviceAlloc(im->fmax * row, dev, "forwarded rows");
+  im->acc = deviceAlloc(im->fmax * H * 4, dev, "combine sums");
+  if (im->wire_es == 2) im->acc16 = deviceAlloc(im->fmax * H * 2, dev, "combine sums (bf16)");
+  if (N > 1) {
+    im->nsend = deviceAlloc(N * cfg.max_tokens * row, dev, "network send rows");
+    im->back = deviceAlloc(N * cfg.max_tokens * H * im->wire_es, dev, "returning partial sums");
+    CudaCollectivesOptions co;
+    co.device = dev;
+    co.symmetric_heap = false;  // NCCL p2p only; the MoE buffers are this object's heap
+    co.timeout = cfg.timeout;
+    im->coll = std::make_unique<CudaCollectives>(im->comm, co);
+  }
+  im->scalars = deviceAlloc(16, dev, "scales");
+  im->d_gscale = static_cast<float*>(im->scalars.get());
+  im->d_amax = im->d_gscale + 1;
+  im->d_nonfinite = reinterpret_cast<int*>(im->d_gscale + 2);
+  sys::checkCuda(cudaEventCreateWithFlags(&im->event, cudaEventDisableTiming), "moe: cudaEventCreate", dev);
+  CB_INFO("moe", "CUDA MoE buffer on device {}: {} experts, top-{}, hidden {}, {} ({}), {} nodes x {} ranks, row {} B",
+          dev, cfg.num_experts, cfg.topk, cfg.hidden, payloadFormatName(cfg.format),
+          cfg.dtype == DataType::kFloat32 ? "f32" : "bf16", N, L, row);
+  return std::unique_ptr<CudaMoeBuffer>(new CudaMoeBuffer(std::move(im)));
+}
+
+Layout CudaMoeBuffer::layout(const int64_t* topk_idx, size_t tokens, int num_experts) const {
+  return computeLayout(impl_->topo, impl_->cfg.topk, topk_idx, tokens, num_experts, impl_->ctx("moe layout"));
+}
+
+void CudaMoeBuffer::synchronize(cudaStream_t stream, Deadline deadline) const {
+  sys::checkCuda(cudaSetDevice(impl_->device), "moe synchronize: cudaSetDevice", impl_->device);
+  impl_->waitStream(stream, deadline, "moe synchronize (after " + impl_->last_op + ")");
+}
+
+CudaDispatchResult CudaMoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* topk_idx,
+                                           const float* topk_weights, cudaStream_t stream,
+                                           std::shared_ptr<const CudaMoeHandle> cached) {
+  Impl& im = *impl_;
+  const char* op = "moe dispatch (cuda)";
+  const MoeConfig& cfg = im.cfg;
+  const MoeTopology& t = im.topo;
+  const RowFormat& f = im.fmt;
+  const size_t k = static_cast<size_t>(cfg.topk), H = cfg.hidden, row = f.row, xrow = H * f.es;
+  if (tokens > cfg.max_tokens)
+    throw InvalidArgument(im.ctx(op) + fmt::format("{} tokens exceed the buffer's max_tokens {}: create the "
+                                                   "buffer with a larger max_tokens",
+                                                   tokens, cfg.max_tokens));
+  if (tokens > 0 && (!x || !topk_idx)) throw InvalidArgument(im.ctx(op) + "x or topk_idx is null");
+  if (cached && cached->owner != this)
+    throw InvalidArgument(im.ctx(op) + "the cached handle comes from another CudaMoeBuffer");
+  if (cached && cached->plan.tokens != tokens)
+    throw InvalidArgument(im.ctx(op) + fmt::format("the cached handle was made for {} tokens, not {}",
+                                                   cached->plan.tokens, tokens));
+  sys::checkCuda(cudaSetDevice(im.device), std::string(op) + ": cudaSetDevice", im.device);
+  im.last_op = "dispatch";
+  const Deadline dl = im.deadline();
+  CudaDispatchResult res;
+  std::shared_ptr<const CudaMoeHandle> h = cached;
+  if (!h) {
+    // The plan needs the routing on the host: the one blocking step (see moe_cuda.h).
+    auto t0 = std::chrono::steady_clock::now();
+    std::vector<int64_t> host_idx(tokens * k);
+    if (tokens)
+      sys::checkCuda(cudaMemcpyAsync(host_idx.data(), topk_idx, tokens * k * 8, cudaMemcpyDefault, stream),
+                      std::string(op) + ": copy of topk_idx to the host", im.device);
+    im.waitStream(stream, dl, "moe dispatch (cuda): topk_idx to the host");
+    auto t1 = std::chrono::steady_clock::now();
+    const uint32_t tag = kPlanTagBase + static_cast<uint32_t>(im.calls++ % kPlanTagCalls) * 2;
+    CudaMoePlan plan = exchangeCudaMoePlan(*im.comm, t, cfg, row, host_idx.data(), tokens, tag, dl);
+    auto t2 = std::chrono::steady_clock::now();
+    h = im.makeHandle(std::move(plan), this, stream);
+    res.metrics.phases.emplace_back("wait topk_idx", std::chrono::duration<double>(t1 - t0).count());
+    res.metrics.phases.emplace_back("plan exchange", std::chrono::duration<double>(t2 - t1).count());
+  }
+  const CudaMoePlan& p = h->plan;
+  const auto enqueue_start = std::chrono::steady_clock::now();
+  uint8_t* enc = im.bytes(im.enc);
+  uint8_t* fbuf = im.bytes(im.fbuf);
+
+  // 1. encode every token once: header + routing, then the payload (quantized or copied).
+  cuda::tensorAmax(cfg.dtype, x, cfg.format == PayloadFormat::kNvfp4 ? tokens : 0, H, im.d_amax, im.d_nonfinite,
+                   stream);
+  cuda::setGlobalScale(im.d_amax, im.d_nonfinite, cfg.format == PayloadFormat::kNvfp4, im.d_gscale, stream);
+  cuda::packHeaders(enc, row, f.off_topk, f.off_w, t.rank, im.d_gscale, topk_idx, topk_weights, cfg.topk, tokens,
+                    stream);
+  if (im.quantized()) {
+    const cuda::RowLayout l{H, row, row};
+    inPieces(tokens, [&](size_t off, size_t n) {
+      cuda::quantizeRows(payloadCodec(cfg.format), cfg.dtype, static_cast<const uint8_t*>(x) + off * xrow, nullptr,
+                         n, l, enc + off * row + f.off_payload, enc + off * row + f.off_scales,
+                         static_cast<const float*>(im.d_gscale), stream);
+    });
+  } else {
+    cuda::copyRows(x, xrow, nullptr, enc + f.off_payload, row, nullptr, xrow, tokens, stream);
+  }
+
+  // 2. the own node's rows are the first block of F; 3. the other nodes' come over NCCL.
+  cuda::copyRows(enc, row, h->node_send[t.me_node], fbuf, row, nullptr, row, p.node_send[t.me_node].size(), stream);
+  if (t.N > 1) {
+    for (int m = 0; m < t.N; ++m)
+      if (m != t.me_node)
+        cuda::copyRows(enc, row, h->node_send[m], im.bytes(im.nsend) + m * cfg.max_tokens * row, row, nullptr, row,
+                       p.node_send[m].size(), stream);
+    im.coll->groupStart();
+    for (int m = 0; m < t.N; ++m) {
+      if (m == t.me_node) continue;
+      const int peer = t.node_ranks[m][t.me_local];
+      if (!p.node_send[m].empty())
+        im.coll->send(im.bytes(im.nsend) + m * cfg.max_tokens * row, p.node_send[m].size() * row, DataType::kUInt8,
+                      peer, 0, stream);
+      if (p.fwd_count[m] > 0)
+        im.coll->recv(fbuf + p.fwd_start[m] * row, p.fwd_count[m] * row, DataType::kUInt8, peer, 0, stream);
+    }
+    im.coll->groupEnd();
+  }
+
+  // 4. forward: each F row once into every local destination's slot for this forwarder.
+  for (int j = 0; j < t.L; ++j)
+    if (t.localRank(j) != t.rank && im.dispatches > 0)
+      sys::streamWaitSignal(*im.dbuf, t.localRank(j), kDispatchAck, stream);
+  for (int j = 0; j < t.L; ++j) {
+    const int d = t.localRank(j);
+    char* slot = im.dbuf->peer<char>(d, static_cast<size_t>(t.me_local) * im.dslot);
+    cuda::copyRows(fbuf, row, h->fwd_to_local[j], slot, row, nullptr, row, p.fwd_to_local[j].size(), stream);
+    if (d != t.rank) sys::streamPutSignal(*im.dbuf, d, kDispatchData, stream);
+  }
+  for (int j = 0; j < t.L; ++j)
+    if (t.localRank(j) != t.rank) sys::streamWaitSignal(*im.dbuf, t.localRank(j), kDispatchData, stream);
+
+  // 5. receive: decode every forwarder's slot into (source rank, token) order.
+  const size_t n = p.num_recv;
+  res.num_recv = n;
+  DeviceStorage x_out = deviceAlloc(n * xrow, im.device, "received tokens");
+  DeviceStorage w_out = deviceAlloc(n * k * 4, im.device, "received weights");
+  res.x = x_out.get();
+  res.topk_weights = static_cast<float*>(w_out.get());
+  res.storage = {x_out, w_out, h->mem};
+  const bool want_q = cfg.return_quantized && im.quantized();
+  if (want_q) {
+    DeviceStorage qp = deviceAlloc(n * f.payload_bytes, im.device, "received payload");
+    DeviceStorage qs = deviceAlloc(n * f.scale_bytes, im.device, "received scales");
+    DeviceStorage qg = deviceAlloc(n * 4, im.device, "received global scales");
+    res.q_payload = static_cast<uint8_t*>(qp.get());
+    res.q_scales = static_cast<uint8_t*>(qs.get());
+    res.q_global_scale = static_cast<float*>(qg.get());
+    res.storage.insert(res.storage.end(), {qp, qs, qg});
+  }
+  for (int j = 0; j < t.L; ++j) {
+    const uint8_t* slot = im.dbuf->local<uint8_t>(static_cast<size_t>(j) * im.dslot);
+    const int32_t* rows = h->recv_rows[j];
+    const size_t nj = p.recv_rows[j].size();
+    if (im.quantized()) {
+      cuda::RowLayout l{H, row, row};
+      l.global_scale_stride = row;
+      inPieces(nj, [&](size_t off, size_t cnt) {
+        const uint8_t* r = slot + off * row;
+        cuda::dequantizeRows(payloadCodec(cfg.format), cfg.dtype, r + f.off_payload, r + f.off_scales,
+                             reinterpret_cast<const float*>(r + offsetof(RowHeader, global_scale)), cnt, l, res.x,
+                             rows + off, stream);
+      });
+    } else {
+      cuda::copyRows(slot + f.off_payload, row, nullptr, res.x, xrow, rows, xrow, nj, stream);
+    }
+    cuda::receiveWeights(slot, row, f.off_w, rows, nj, cfg.topk, h->topk_idx, res.topk_weights, res.q_global_scale,
+                         stream);
+    if (want_q) {
+      cuda::copyRows(slot + f.off_payload, row, nullptr, res.q_payload, f.payload_bytes, rows, f.payload_bytes, nj,
+                     stream);
+      cuda::copyRows(slot + f.off_scales, row, nullptr, res.q_scales, f.scale_bytes, rows, f.scale_bytes, nj, stream);
+    }
+  }
+  // Our slots are read: the forwarders may overwrite them (next dispatch).
+  for (int j = 0; j < t.L; ++j)
+    if (t.localRank(j) != t.rank) sys::streamPutSignal(*im.dbuf, t.localRank(j), kDispatchAck, stream);
+  ++im.dispatches;
+
+  // 6. expert-major view.
+  const size_t ne = p.expert_major.rows.size();
+  DeviceStorage ew = deviceAlloc(ne * 4, im.device, "expert-major weights");
+  res.expert_weights = static_cast<float*>(ew.get());
+  res.storage.push_back(ew);
+  cuda::gatherFloats(res.topk_weights, h->expert_slots, res.expert_weights, ne, stream);
+  if (cfg.expert_major_copy) {
+    DeviceStorage xe = deviceAlloc(ne * xrow, im.device, "expert-major tokens");
+    res.x_expert_major = xe.get();
+    res.storage.push_back(xe);
+    cuda::copyRows(res.x, xrow, h->expert_rows, res.x_expert_major, xrow, nullptr, xrow, ne, stream);
+  }
+
+  res.src_rank = h->src_rank;
+  res.src_token = h->src_token;
+  res.topk_idx = h->topk_idx;
+  res.expert_rows = h->expert_rows;
+  res.recv_per_rank = p.recv_per_rank;
+  res.tokens_per_expert = p.tokens_per_expert;
+  res.expert_offsets = p.expert_major.offsets;
+  res.metrics.inter_node_bytes = p.inter_node_bytes;
+  res.metrics.intra_node_bytes = p.intra_node_bytes;
+  res.metrics.dropped = p.dropped;
+  finishDispatchMetrics(res.metrics, t, p.stats, row, p.tokens_per_expert);
+  res.metrics.phases.emplace_back(
+      "enqueue", std::chrono::duration<double>(std::chrono::steady_clock::now() - enqueue_start).count());
+  res.handle = std::move(h);
+  return res;
+}
+
+CudaCombineResult CudaMoeBuffer::combine(const void* y, DataType y_type, const CudaMoeHandle& h,
+                                         cudaStream_t stream, const float* weights) {
+  Impl& im = *impl_;
+  const char* op = "moe combine (cuda)";
+  const MoeTopology& t = im.topo;
+  const CudaMoePlan& p = h.plan;
+  const size_t H = im.cfg.hidden, ws = im.wire_es;
+  if (h.owner != this) throw InvalidArgument(im.ctx(op) + "the handle comes from another CudaMoeBuffer");
+  if (y_type != DataType::kFloat32 && y_type != DataType::kBFloat16)
+    throw InvalidArgument(im.ctx(op) + "y must be bfloat16 or float32");
+  if (p.num_recv > 0 && !y) throw InvalidArgument(im.ctx(op) + "y is null");
+  sys::checkCuda(cudaSetDevice(im.device), std::string(op) + ": cudaSetDevice", im.device);
+  im.last_op = "combine";
+  const auto start = std::chrono::steady_clock::now();
+  CudaCombineResult res;
+
+  // 1. every output row back to the forwarder it came from, as f32 (times its weight).
+  for (int j = 0; j < t.L; ++j) {
+    const int d = t.localRank(j);
+    if (d != t.rank && im.combines > 0) sys::streamWaitSignal(*im.cbuf, d, kCombineAck, stream);
+    float* slot = im.cbuf->peer<float>(d, static_cast<size_t>(t.me_local) * im.cslot);
+    cuda::scaleRowsToF32(y, y_type, weights, h.recv_rows[j], p.recv_rows[j].size(), H, slot, stream);
+    if (d != t.rank) {
+      sys::streamPutSignal(*im.cbuf, d, kCombineData, stream);
+      res.metrics.intra_node_bytes += p.recv_rows[j].size() * H * sizeof(float);
+    }
+  }
+  // 2. as forwarder: sum the node's contributions per F row (local-rank order).
+  for (int j = 0; j < t.L; ++j)
+    if (t.localRank(j) != t.rank) sys::streamWaitSignal(*im.cbuf, t.localRank(j), kCombineData, stream);
+  float* acc = static_cast<float*>(im.acc.get());
+  auto* acc16 = static_cast<uint16_t*>(im.acc16.get());
+  cuda::sumRows(im.cbuf->local<float>(), h.c_offs, h.c_first, h.nf, H, acc, acc16, p.fwd_count[t.me_node], stream);
+  for (int j = 0; j < t.L; ++j)
+    if (t.localRank(j) != t.rank) sys::streamPutSignal(*im.cbuf, t.localRank(j), kCombineAck, stream);
+  ++im.combines;
+  // 3. partial sums cross the network once per node (f32, or bf16 with combine_wire).
+  const uint8_t* wire = ws == 2 ? static_cast<const uint8_t*>(im.acc16.get()) : static_cast<const uint8_t*>(im.acc.get());
+  if (t.N > 1) {
+    im.coll->groupStart();
+    for (int m = 0; m < t.N; ++m) {
+      if (m == t.me_node) continue;
+      const int peer = t.node_ranks[m][t.me_local];
+      if (p.fwd_count[m] > 0) {
+        im.coll->send(wire + p.fwd_start[m] * H * ws, p.fwd_count[m] * H * ws, DataType::kUInt8, peer, 0, stream);
+        res.metrics.inter_node_bytes += p.fwd_count[m] * H * ws;
+      }
+      if (!p.node_send[m].empty())
+        im.coll->recv(im.bytes(im.back) + m * im.cfg.max_tokens * H * ws, p.node_send[m].size() * H * ws,
+                      DataType::kUInt8, peer, 0, stream);
+    }
+    im.coll->groupEnd();
+  }
+  // 4. as source: the nodes' partials per token, in node order.
+  DeviceStorage out = deviceAlloc(p.tokens * H * 4, im.device, "combined tokens");
+  res.out = static_cast<float*>(out.get());
+  res.storage = out;
+  cuda::sumPartials(h.t_src, h.t_first, p.tokens, H, t.me_node, acc, p.fwd_start[t.me_node], im.back.get(), ws == 2,
+                    im.cfg.max_tokens, res.out, stream);
+  res.metrics.phases.emplace_back("enqueue",
+                                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return res;
+}
+
+}  // namespace crossbar::moe

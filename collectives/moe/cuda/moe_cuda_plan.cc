@@ -1,0 +1,143 @@
+#include "collectives/moe/cuda/moe_cuda_plan.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "comm/errors.h"
+
+namespace crossbar::moe {
+
+CudaMoePlan exchangeCudaMoePlan(Communicator& comm, const MoeTopology& t, const MoeConfig& cfg,
+                                size_t row_bytes, const int64_t* topk_idx, size_t tokens, uint32_t tag,
+                                Deadline dl) {
+  const char* op = "moe dispatch (cuda plan)";
+  const std::string ctx = errorContext(t.rank, op);
+  const size_t k = static_cast<size_t>(cfg.topk), w = 1 + k;  // int64 words per row of metadata
+  CudaMoePlan p;
+  p.tokens = tokens;
+  p.stats = computeLayout(t, cfg.topk, topk_idx, tokens, cfg.num_experts, ctx);
+  p.node_send = nodeSendLists(t, p.stats);
+  p.stats.is_token_in_rank.clear();
+
+  // 1. to each remote node's forwarder: [token, ids...] of the tokens bound for that node.
+  std::vector<std::vector<int64_t>> out1(t.N), in1(t.N);
+  std::vector<RequestPtr> reqs, recvs1(t.N);
+  for (int m = 0; m < t.N; ++m) {
+    if (m == t.me_node) continue;
+    const int peer = t.node_ranks[m][t.me_local];
+    in1[m].resize(cfg.max_tokens * w);
+    recvs1[m] = comm.irecv(in1[m].data(), in1[m].size() * 8, peer, tag);
+    for (int32_t tok : p.node_send[m]) {
+      out1[m].push_back(tok);
+      out1[m].insert(out1[m].end(), topk_idx + tok * k, topk_idx + (tok + 1) * k);
+    }
+    reqs.push_back(comm.isend(out1[m].data(), out1[m].size() * 8, peer, tag));
+    p.inter_node_bytes += p.node_send[m].size() * row_bytes;
+  }
+  for (int m = 0; m < t.N; ++m)
+    if (recvs1[m]) reqs.push_back(recvs1[m]);
+  comm.waitAll(reqs, dl);
+  reqs.clear();
+
+  // F: own block first, then the remote blocks in node order; per row (source rank, token, ids).
+  p.fwd_start.assign(t.N, 0);
+  p.fwd_count.assign(t.N, 0);
+  std::vector<int64_t> f_src, f_ids;  // [F]: src_rank << 32 | token; [F x k]
+  auto addBlock = [&](int m, int src, const int64_t* rows, size_t count) {
+    p.fwd_start[m] = f_src.size();
+    p.fwd_count[m] = count;
+    for (size_t i = 0; i < count; ++i) {
+      const int64_t* r = rows + i * w;
+      f_src.push_back((static_cast<int64_t>(src) << 32) | static_cast<uint32_t>(r[0]));
+      f_ids.insert(f_ids.end(), r + 1, r + w);
+    }
+  };
+  {
+    std::vector<int64_t> own;
+    for (int32_t tok : p.node_send[t.me_node]) {
+      own.push_back(tok);
+      own.insert(own.end(), topk_idx + tok * k, topk_idx + (tok + 1) * k);
+    }
+    addBlock(t.me_node, t.rank, own.data(), p.node_send[t.me_node].size());
+  }
+  for (int m = 0; m < t.N; ++m) {
+    if (m == t.me_node) continue;
+    const size_t bytes = recvs1[m]->status().bytes;
+    const int src = t.node_ranks[m][t.me_local];
+    if (bytes % (w * 8) != 0 || bytes / (w * 8) > cfg.max_tokens)
+      throw InternalError(ctx + fmt::format("rank {} sent {} bytes of routing metadata (not rows of {} words, "
+                                            "at most {})",
+                                            src, bytes, w, cfg.max_tokens));
+    addBlock(m, src, in1[m].data(), bytes / (w * 8));
+  }
+  p.fwd_to_local = localTargets(t, cfg.topk, cfg.num_experts, f_ids.data(), f_src.size());
+
+  // 2. to each local rank: (source rank << 32 | token, ids...) of the rows written to it.
+  std::vector<std::vector<int64_t>> out2(t.L), in2(t.L);
+  std::vector<RequestPtr> recvs2(t.L);
+  const size_t fmax = static_cast<size_t>(t.N) * cfg.max_tokens;
+  for (int j = 0; j < t.L; ++j) {
+    for (int32_t f : p.fwd_to_local[j]) {
+      out2[j].push_back(f_src[f]);
+      out2[j].insert(out2[j].end(), f_ids.begin() + f * k, f_ids.begin() + (f + 1) * k);
+    }
+    const int peer = t.localRank(j);
+    if (peer == t.rank) {
+      in2[j] = out2[j];
+      continue;
+    }
+    p.intra_node_bytes += p.fwd_to_local[j].size() * row_bytes;
+    in2[j].resize(fmax * w);
+    recvs2[j] = comm.irecv(in2[j].data(), in2[j].size() * 8, peer, tag + 1);
+    reqs.push_back(recvs2[j]);
+    reqs.push_back(comm.isend(out2[j].data(), out2[j].size() * 8, peer, tag + 1));
+  }
+  comm.waitAll(reqs, dl);
+
+  // Receiver: rows of source s land at src_off[s] + their index among s's rows (each source's
+  // rows come through one forwarder, in token order).
+  std::vector<size_t> count(t.L);
+  std::vector<int> per_src(t.R, 0);
+  for (int j = 0; j < t.L; ++j) {
+    const size_t bytes = recvs2[j] ? recvs2[j]->status().bytes : in2[j].size() * 8;
+    if (bytes % (w * 8) != 0)
+      throw InternalError(ctx + fmt::format("rank {} sent {} bytes of forwarding metadata", t.localRank(j), bytes));
+    count[j] = bytes / (w * 8);
+    for (size_t q = 0; q < count[j]; ++q) {
+      const int s = static_cast<int>(in2[j][q * w] >> 32);
+      if (s < 0 || s >= t.R || t.local_of[s] != j)
+        throw InternalError(ctx + fmt::format("rank {} forwards a row of rank {}, which is not its to forward",
+                                              t.localRank(j), s));
+      ++per_src[s];
+    }
+  }
+  std::vector<size_t> src_off(t.R + 1, 0);
+  for (int s = 0; s < t.R; ++s) src_off[s + 1] = src_off[s] + static_cast<size_t>(per_src[s]);
+  p.num_recv = src_off[t.R];
+  p.recv_per_rank = per_src;
+  p.src_rank.assign(p.num_recv, -1);
+  p.src_token.assign(p.num_recv, -1);
+  std::vector<int64_t> ids(p.num_recv * k, -1);
+  std::vector<size_t> fill(src_off.begin(), src_off.end() - 1);
+  p.recv_rows.assign(t.L, {});
+  for (int j = 0; j < t.L; ++j)
+    for (size_t q = 0; q < count[j]; ++q) {
+      const int64_t* r = in2[j].data() + q * w;
+      const int s = static_cast<int>(r[0] >> 32);
+      const size_t i = fill[s]++;
+      p.src_rank[i] = s;
+      p.src_token[i] = static_cast<int32_t>(r[0] & 0xFFFFFFFF);
+      std::memcpy(ids.data() + i * k, r + 1, 8 * k);
+      p.recv_rows[j].push_back(static_cast<int32_t>(i));
+    }
+  ExpertAssigner assigner(t, cfg.topk, cfg.expert_capacity);
+  p.topk_idx.resize(p.num_recv * k);
+  for (size_t i = 0; i < p.num_recv; ++i) assigner.assign(ids.data() + i * k, nullptr, p.topk_idx.data() + i * k, nullptr);
+  p.tokens_per_expert = assigner.tokensPerExpert();
+  p.dropped = assigner.dropped();
+  p.expert_major = expertMajorIndex(p.topk_idx, p.num_recv, cfg.topk, p.tokens_per_expert);
+  return p;
+}
+
+}  // namespace crossbar::moe

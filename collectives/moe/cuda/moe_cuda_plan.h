@@ -1,0 +1,48 @@
+// Host-side routing plan of a CUDA MoE dispatch (cuda/moe_cuda.h). The CUDA executor moves
+// rows to precomputed places, so every rank first learns, on the host, where each of its
+// rows goes and where each row it receives lands. The plan is built from moe_plan.h (the
+// host executor's planning) plus a metadata exchange over the Communicator's host p2p that
+// follows the data's two-level route:
+//   1. each rank sends the forwarder of every remote node (the rank there with its local
+//      index) the (token, top-k ids) of the tokens bound for that node;
+//   2. each forwarder sends every rank of its node the (source rank, token, top-k ids) of the
+//      rows it will write into that rank's buffer, in order.
+// Metadata is (1 + topk) int64 per row, a small fraction of a row of activations. No device
+// memory is touched here (CPU tested: test_moe_cuda_plan).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "collectives/moe/moe_plan.h"
+#include "comm/deadline.h"
+
+namespace crossbar::moe {
+
+struct CudaMoePlan {
+  size_t tokens = 0;
+  Layout stats;                                 // counts only (is_token_in_rank emptied)
+  std::vector<std::vector<int32_t>> node_send;  // [node]: own tokens bound for it, in order
+  // Forwarder: F = own rows for this node, then each remote node's rows (blocks in node order).
+  std::vector<size_t> fwd_start, fwd_count;        // [node]
+  std::vector<std::vector<int32_t>> fwd_to_local;  // [local j]: F rows written to local rank j, in order
+  // Receiver: rows in (source rank, token) order.
+  size_t num_recv = 0;
+  std::vector<std::vector<int32_t>> recv_rows;  // [local j]: output row of forwarder j's p-th row
+  std::vector<int32_t> src_rank, src_token;     // [num_recv]
+  std::vector<int> recv_per_rank;               // [ranks]
+  std::vector<int64_t> topk_idx;                // [num_recv x topk]: local expert or -1 (capacity applied)
+  std::vector<int> tokens_per_expert;           // [local experts]
+  ExpertMajorIndex expert_major;
+  uint64_t dropped = 0;
+  uint64_t inter_node_bytes = 0, intra_node_bytes = 0;  // rows of `row_bytes` this rank sends
+};
+
+// Collective over comm (same call order on every rank; uses tags [tag, tag + 2)).
+// topk_idx: host [tokens x topk].
+CudaMoePlan exchangeCudaMoePlan(Communicator& comm, const MoeTopology& topo, const MoeConfig& cfg,
+                                size_t row_bytes, const int64_t* topk_idx, size_t tokens, uint32_t tag,
+                                Deadline deadline);
+
+}  // namespace crossbar::moe
