@@ -35,36 +35,15 @@ uint32_t getU32(const char* p) {
   return u[0] | (u[1] << 8) | (u[2] << 16) | (static_cast<uint32_t>(u[3]) << 24);
 }
 
-std::string printable(const std::string& key) {
-  std::string out;
-  for (unsigned char c : key.substr(0, 200)) {
-    if (c >= 0x20 && c < 0x7f)
-      out.push_back(static_cast<char>(c));
-    else
-      out += fmt::format("\\x{:02x}", c);
-  }
-  if (key.size() > 200) out += fmt::format("...({} bytes)", key.size());
-  return out;
-}
-
 std::string context(std::string_view op) {
   return errorContext(-1, fmt::format("FileStore {}", op));
 }
 
 void checkKey(std::string_view op, const std::string& key) {
-  if (key.size() > kStoreMaxKeyBytes)
-    throw InvalidArgument(context(op) + fmt::format("key '{}' is {} bytes, more than the store's limit of {} "
-                                                    "bytes (kStoreMaxKeyBytes); use a shorter key",
-                                                    printable(key.substr(0, 64)), key.size(),
-                                                    kStoreMaxKeyBytes));
+  checkStoreKey(context(op), key);
 }
 void checkValue(std::string_view op, const std::string& key, size_t size) {
-  if (size > kStoreMaxValueBytes)
-    throw InvalidArgument(context(op) +
-                          fmt::format("value for key '{}' is {} bytes, more than the store's limit "
-                                      "of {} bytes (kStoreMaxValueBytes); exchange bulk data "
-                                      "through a communicator, not the store",
-                                      printable(key), size, kStoreMaxValueBytes));
+  checkStoreValue(context(op), key, size);
 }
 
 }  // namespace
@@ -236,7 +215,7 @@ Bytes FileStore::get(const std::string& key, Deadline deadline) {
                   fmt::format("key '{}' was not set within {} ms in {}. Check that the rank that "
                               "sets it is alive and uses the same file and key prefix; raise "
                               "CROSSBAR_TIMEOUT if it is only slow",
-                              printable(key), timeout.count(), impl_->path));
+                              printableKey(key), timeout.count(), impl_->path));
   return out;
 }
 
@@ -257,12 +236,12 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
       throw InvalidArgument(context("add") +
                             fmt::format("key '{}' holds '{}', not a decimal integer; use add() "
                                         "only on counters",
-                                        printable(key), printable(text)));
+                                        printableKey(key), printableKey(text)));
     value = parsed;
   }
   if (__builtin_add_overflow(value, delta, &value))
     throw InvalidArgument(context("add") + fmt::format("add('{}', {}): the counter would overflow int64",
-                                                       printable(key), delta));
+                                                       printableKey(key), delta));
   impl_->append(kSetRecord, key, std::to_string(value));
   return value;
 }
@@ -303,7 +282,7 @@ void FileStore::wait(const std::vector<std::string>& keys, Deadline deadline) {
   }
   std::string list;
   for (size_t i = 0; i < missing.size() && i < 16; ++i)
-    list += (i ? ", '" : "'") + printable(missing[i]) + "'";
+    list += (i ? ", '" : "'") + printableKey(missing[i]) + "'";
   if (missing.size() > 16) list += fmt::format(", ... ({} more)", missing.size() - 16);
   throw Timeout(context("wait") +
                 fmt::format("{} of {} keys not set within {} ms in {}: missing {}. Check that "

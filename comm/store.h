@@ -48,4 +48,10 @@ class Store {
 // Default deadline for blocking operations (CROSSBAR_TIMEOUT).
 Millis defaultTimeout();
 
+// Keys may be binary or long: the first 200 bytes with non-printables escaped, for errors.
+std::string printableKey(const std::string& key);
+// InvalidArgument, prefixed by `context`, when a key or value passes the limits above.
+void checkStoreKey(const std::string& context, const std::string& key);
+void checkStoreValue(const std::string& context, const std::string& key, size_t size);
+
 }  // namespace crossbar

@@ -185,19 +185,6 @@ std::string formatAddress(const std::string& host, uint16_t port) {
   return fmt::format("{}:{}", host, port);
 }
 
-// Keys may be binary or long; keep error messages readable.
-std::string printable(const std::string& key) {
-  std::string out;
-  for (unsigned char c : key.substr(0, 200)) {
-    if (c >= 0x20 && c < 0x7f)
-      out.push_back(static_cast<char>(c));
-    else
-      out += fmt::format("\\x{:02x}", c);
-  }
-  if (key.size() > 200) out += fmt::format("...({} bytes)", key.size());
-  return out;
-}
-
 std::string keyList(const std::vector<std::string>& keys) {
   std::string out;
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -205,7 +192,7 @@ std::string keyList(const std::vector<std::string>& keys) {
       out += fmt::format(", ... ({} more)", keys.size() - i);
       break;
     }
-    out += (i ? ", '" : "'") + printable(keys[i]) + "'";
+    out += (i ? ", '" : "'") + printableKey(keys[i]) + "'";
   }
   return out;
 }
@@ -785,14 +772,14 @@ struct TcpStoreServer::Impl {
             replyError(c, ErrorCode::kInvalidArgument,
                        fmt::format("add('{}'): the key holds '{}', not a decimal integer; use add() only on "
                                    "counters",
-                                   printable(a[0]), printable(text)));
+                                   printableKey(a[0]), printableKey(text)));
             break;
           }
           value = parsed;
         }
         if (__builtin_add_overflow(value, delta, &value)) {
           replyError(c, ErrorCode::kInvalidArgument,
-                     fmt::format("add('{}', {}): the counter would overflow int64", printable(a[0]), delta));
+                     fmt::format("add('{}', {}): the counter would overflow int64", printableKey(a[0]), delta));
           break;
         }
         data[a[0]] = std::to_string(value);
@@ -1207,19 +1194,10 @@ struct TcpStore::Impl {
   }
 
   static void checkKey(std::string_view op, const std::string& key) {
-    if (key.size() > kStoreMaxKeyBytes)
-      throw InvalidArgument(errorContext(-1, fmt::format("store {}", op)) +
-                            fmt::format("key '{}' is {} bytes, more than the store's limit of {} bytes "
-                                        "(kStoreMaxKeyBytes); use a shorter key",
-                                        printable(key.substr(0, 64)), key.size(), kStoreMaxKeyBytes));
+    checkStoreKey(errorContext(-1, fmt::format("store {}", op)), key);
   }
   static void checkValue(std::string_view op, const std::string& key, size_t size) {
-    if (size > kStoreMaxValueBytes)
-      throw InvalidArgument(errorContext(-1, fmt::format("store {}", op)) +
-                            fmt::format("value for key '{}' is {} bytes, more than the store's limit of {} "
-                                        "bytes (kStoreMaxValueBytes); exchange bulk data through a "
-                                        "communicator, not the store",
-                                        printable(key), size, kStoreMaxValueBytes));
+    checkStoreValue(errorContext(-1, fmt::format("store {}", op)), key, size);
   }
   static void checkKeys(std::string_view op, const std::vector<std::string>& keys) {
     if (keys.size() >= kMaxArgs)
@@ -1283,7 +1261,7 @@ Bytes TcpStore::get(const std::string& key, Deadline deadline) {
         fmt::format("{}key '{}' was not set within {} ms on the store at {}. Check that the rank "
                     "that sets it is alive and uses the same store and key prefix; raise "
                     "CROSSBAR_TIMEOUT if it is only slow",
-                    impl_->context("get"), printable(key), timeout.count(), impl_->addr));
+                    impl_->context("get"), printableKey(key), timeout.count(), impl_->addr));
   if (reply.args.size() != 1) throw InternalError(impl_->context("get") + "malformed reply");
   return toBytes(reply.args[0]);
 }
