@@ -187,7 +187,9 @@ if want gtest; then
     [ -x "$t" ] || continue
     found=1
     name=$(basename "$t")
-    lim=$(limit 100)
+    want_s=100
+    [ "$name" = test_moe_cuda_gpu ] && want_s=30  # MoE CUDA dispatch/combine vs the host path, bit for bit
+    lim=$(limit $want_s)
     if [ "$lim" = 0 ]; then record "gtest $name" SKIP "out of time"; continue; fi
     note "$name (limit ${lim}s)"
     timeout "$lim" "$t" --gtest_color=no > "$LOG/$name.log" 2>&1
@@ -239,6 +241,23 @@ if want perf; then
   perf_run all_reduce_2r_symm all_reduce_perf --nranks 2 -b 8 -e 1M -f 4 -n 50 -w 10 -R 2
   perf_run all_gather_2r all_gather_perf --nranks 2 -b 1K -e 256M -f 8 -n 10 -w 3
   perf_run alltoall_2r alltoall_perf --nranks 2 -b 1K -e 256M -f 8 -n 10 -w 3
+  # MoE dispatch/combine on CUDA memory, 2 ranks on the one GPU (its own table format).
+  MOE=${PREBUILT:+$PREBUILT/bin/moe_dispatch_perf}
+  lim=$(limit 30)
+  if [ -z "$MOE" ] || [ ! -x "$MOE" ]; then record "perf moe_cuda_2r" SKIP "no moe_dispatch_perf in PREBUILT/bin"
+  elif [ "$lim" = 0 ]; then record "perf moe_cuda_2r" SKIP "out of time"
+  else
+    note "moe_dispatch_perf --mem cuda --nranks 2 (limit ${lim}s)"
+    timeout "$lim" "$MOE" --mem cuda --nranks 2 --tokens 128,1024 --hidden 7168 --formats native,fp8,nvfp4 \
+      --experts 64 --iters 10 --warmup 3 > "$LOG/perf-moe_cuda_2r.log" 2>&1
+    rc=$?
+    cat "$LOG/perf-moe_cuda_2r.log"
+    if [ $rc = 0 ]; then
+      record "perf moe_cuda_2r" PASS "$(awk '!/^#/ && NF >= 10 {r=$1 " tok " $3 ": disp " $4 " us, cached " $10 " us, comb " $6 " us"} END {print r}' "$LOG/perf-moe_cuda_2r.log")"
+    else
+      record "perf moe_cuda_2r" FAIL "exit $rc; $(grep -m2 -iE 'error|failed|unsupported' "$LOG/perf-moe_cuda_2r.log" | tr '\n' ' ' | cut -c1-160)"
+    fi
+  fi
 fi
 
 # ---- matmul overlap ---------------------------------------------------------------------------
