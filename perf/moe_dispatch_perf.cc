@@ -2,7 +2,10 @@
 // by tokens per rank, hidden size and payload format. Self-launching:
 //   moe_dispatch_perf --nranks 8 --ranks-per-node 4 [--tokens 128,512] [--hidden 2048,7168]
 //                     [--formats native,fp8,mxfp8,nvfp4] [--experts 256] [--topk 8]
-//                     [--max-nodes M] [--zipf s] [--iters 20] [--warmup 5]
+//                     [--max-nodes M] [--zipf s] [--iters 20] [--warmup 5] [--mem host|cuda]
+// --mem cuda: CudaMoeBuffer on device memory (one node: every rank on GPU local_rank % GPUs;
+// several nodes need one GPU per rank for NCCL). Times are dispatch + combine with a stream
+// synchronization each; "cached" is a dispatch with the cached handle (no host planning).
 // Network bandwidth counts distinct (token, node) pairs off the sender's node x hidden x
 // bytes per element (DeepEP's convention; scales excluded); time is the slowest rank's mean.
 #include <fmt/format.h>
@@ -17,10 +20,16 @@
 #include "collectives/collectives.h"
 #include "collectives/float_types.h"
 #include "collectives/moe/moe.h"
+#include "collectives/moe/moe_plan.h"
 #include "collectives/moe/routing.h"
 #include "comm/communicator.h"
 #include "comm/errors.h"
 #include "comm/local_launch.h"
+#if defined(CROSSBAR_HAVE_MOE_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "collectives/moe/cuda/moe_cuda.h"
+#endif
 
 namespace crossbar::moe {
 namespace {
@@ -28,6 +37,7 @@ namespace {
 struct Options {
   int nranks = 2, ranks_per_node = 0, experts = 0, topk = 8, max_nodes = -1, iters = 20, warmup = 5;
   double zipf = 0.0;
+  bool mem_cuda = false;
   std::vector<size_t> tokens{128, 512}, hidden{2048, 7168};
   std::vector<PayloadFormat> formats{PayloadFormat::kNative, PayloadFormat::kFp8, PayloadFormat::kMxfp8,
                                      PayloadFormat::kNvfp4};
@@ -65,6 +75,66 @@ double sumOverRanks(Collectives& coll, double v) {
   return v;
 }
 
+#if defined(CROSSBAR_HAVE_MOE_CUDA)
+void cudaCheck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw CudaError(fmt::format("moe_dispatch_perf: {}: {}", what, cudaGetErrorString(e)));
+}
+
+// One row of the table on CUDA memory: mean dispatch (planned), cached dispatch and combine
+// time, each followed by a stream synchronization.
+void timeCuda(const Options& o, std::shared_ptr<Communicator> comm, const MoeConfig& cfg, const Routing& routing,
+              const std::vector<BFloat16>& x, double& disp, double& cached, double& comb, double& imbal) {
+  using Clock = std::chrono::steady_clock;
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0)
+    throw Unsupported("--mem cuda: no CUDA device here (cudaGetDeviceCount found none)");
+  const int dev = comm->numNodes() > 1 ? comm->rank() % ndev : comm->localRank() % ndev;
+  cudaCheck(cudaSetDevice(dev), "cudaSetDevice");
+  auto buf = CudaMoeBuffer::create(comm, cfg, CudaMoeBuffer::Options{dev});
+  cudaStream_t s;
+  cudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  void *dx, *didx, *dw;
+  cudaCheck(cudaMalloc(&dx, x.size() * 2 + 16), "cudaMalloc");
+  cudaCheck(cudaMalloc(&didx, routing.topk_idx.size() * 8 + 16), "cudaMalloc");
+  cudaCheck(cudaMalloc(&dw, routing.topk_weights.size() * 4 + 16), "cudaMalloc");
+  cudaCheck(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice), "upload");
+  cudaCheck(cudaMemcpy(didx, routing.topk_idx.data(), routing.topk_idx.size() * 8, cudaMemcpyHostToDevice), "upload");
+  cudaCheck(cudaMemcpy(dw, routing.topk_weights.data(), routing.topk_weights.size() * 4, cudaMemcpyHostToDevice),
+            "upload");
+  const size_t T = cfg.max_tokens;
+  disp = cached = comb = 0;
+  for (int it = 0; it < o.warmup + o.iters; ++it) {
+    comm->barrier();
+    auto t0 = Clock::now();
+    CudaDispatchResult d =
+        buf->dispatch(dx, T, static_cast<const int64_t*>(didx), static_cast<const float*>(dw), s);
+    buf->synchronize(s, comm->defaultDeadline());
+    auto t1 = Clock::now();
+    CudaDispatchResult dc =
+        buf->dispatch(dx, T, static_cast<const int64_t*>(didx), static_cast<const float*>(dw), s, d.handle);
+    buf->synchronize(s, comm->defaultDeadline());
+    auto t2 = Clock::now();
+    CudaCombineResult c = buf->combine(dc.x, DataType::kBFloat16, *d.handle, s);
+    buf->synchronize(s, comm->defaultDeadline());
+    auto t3 = Clock::now();
+    if (it >= o.warmup) {
+      disp += std::chrono::duration<double>(t1 - t0).count();
+      cached += std::chrono::duration<double>(t2 - t1).count();
+      comb += std::chrono::duration<double>(t3 - t2).count();
+    }
+    imbal = d.metrics.expert_imbalance;
+  }
+  disp /= o.iters;
+  cached /= o.iters;
+  comb /= o.iters;
+  buf.reset();
+  cudaFree(dx);
+  cudaFree(didx);
+  cudaFree(dw);
+  cudaStreamDestroy(s);
+}
+#endif
+
 int runRank(const Options& o, std::shared_ptr<Communicator> comm) {
   using Clock = std::chrono::steady_clock;
   Collectives coll(comm);
@@ -76,8 +146,11 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm) {
   print(fmt::format(
       "# moe_dispatch_perf: {} ranks, {} nodes x {}, {} experts, top-{}, max nodes/token {}, zipf {}\n", R,
       comm->numNodes(), comm->localSize(), E, o.topk, o.max_nodes, o.zipf));
-  print(fmt::format("# {:>7} {:>7} {:>7} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8}\n", "tokens", "hidden",
-                    "format", "disp(us)", "net GB/s", "comb(us)", "net GB/s", "dedup", "imbal"));
+  print(fmt::format("# memory: {}\n", o.mem_cuda ? "cuda (CudaMoeBuffer; cached = dispatch with the cached handle)"
+                                                  : "host (MoeBuffer)"));
+  print(fmt::format("# {:>7} {:>7} {:>7} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8}{}\n", "tokens", "hidden",
+                    "format", "disp(us)", "net GB/s", "comb(us)", "net GB/s", "dedup", "imbal",
+                    o.mem_cuda ? fmt::format(" {:>11}", "cached(us)") : ""));
   for (size_t H : o.hidden)
     for (PayloadFormat f : o.formats)
       for (size_t T : o.tokens) {
@@ -87,7 +160,6 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm) {
         cfg.topk = o.topk;
         cfg.num_experts = E;
         cfg.format = f;
-        auto buf = MoeBuffer::create(comm, cfg);
         RoutingOptions ro;
         ro.num_experts = E;
         ro.topk = o.topk;
@@ -98,32 +170,47 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm) {
         std::vector<BFloat16> x(T * H);
         for (size_t i = 0; i < x.size(); ++i)
           x[i] = BFloat16::fromFloat(static_cast<float>((i * 37 + me) % 97) / 97.0f);
-        Layout lay = buf->layout(routing.topk_idx.data(), T, E);
-        double disp = 0, comb = 0;
-        DispatchResult d;
-        for (int it = 0; it < o.warmup + o.iters; ++it) {
-          comm->barrier();
-          auto t0 = Clock::now();
-          d = buf->dispatch(x.data(), T, routing.topk_idx.data(), routing.topk_weights.data());
-          auto t1 = Clock::now();
-          buf->combine(d.x.data(), DataType::kBFloat16, *d.handle);
-          auto t2 = Clock::now();
-          if (it >= o.warmup) {
-            disp += std::chrono::duration<double>(t1 - t0).count();
-            comb += std::chrono::duration<double>(t2 - t1).count();
+        double disp = 0, comb = 0, cached = 0, imbal = 1;
+        Layout lay;
+        if (o.mem_cuda) {
+#if defined(CROSSBAR_HAVE_MOE_CUDA)
+          timeCuda(o, comm, cfg, routing, x, disp, cached, comb, imbal);
+          lay = computeLayout(makeTopology(*comm, cfg, "moe_dispatch_perf"), cfg.topk, routing.topk_idx.data(), T, E,
+                              "moe_dispatch_perf: ");
+#endif
+        } else {
+          auto buf = MoeBuffer::create(comm, cfg);
+          lay = buf->layout(routing.topk_idx.data(), T, E);
+          DispatchResult d;
+          for (int it = 0; it < o.warmup + o.iters; ++it) {
+            comm->barrier();
+            auto t0 = Clock::now();
+            d = buf->dispatch(x.data(), T, routing.topk_idx.data(), routing.topk_weights.data());
+            auto t1 = Clock::now();
+            buf->combine(d.x.data(), DataType::kBFloat16, *d.handle);
+            auto t2 = Clock::now();
+            if (it >= o.warmup) {
+              disp += std::chrono::duration<double>(t1 - t0).count();
+              comb += std::chrono::duration<double>(t2 - t1).count();
+            }
           }
+          disp /= o.iters;
+          comb /= o.iters;
+          imbal = d.metrics.expert_imbalance;
         }
-        disp = maxOverRanks(coll, disp / o.iters);
-        comb = maxOverRanks(coll, comb / o.iters);
+        disp = maxOverRanks(coll, disp);
+        comb = maxOverRanks(coll, comb);
+        cached = maxOverRanks(coll, cached);
         const double net = sumOverRanks(coll, lay.remote_token_node_pairs * H * elementBytes(f)) / R;
         const double comb_net =
             sumOverRanks(coll, lay.remote_token_node_pairs * H * 4.0) / R;  // f32 partials
         const double dedup = sumOverRanks(coll, static_cast<double>(lay.token_expert_pairs)) /
                              std::max(1.0, sumOverRanks(coll, static_cast<double>(lay.token_rank_pairs)));
-        const double imbal = maxOverRanks(coll, d.metrics.expert_imbalance);
-        print(fmt::format("  {:>7} {:>7} {:>7} {:>10.1f} {:>9.3f} {:>10.1f} {:>9.3f} {:>8.2f} {:>8.2f}\n", T,
+        imbal = maxOverRanks(coll, imbal);
+        print(fmt::format("  {:>7} {:>7} {:>7} {:>10.1f} {:>9.3f} {:>10.1f} {:>9.3f} {:>8.2f} {:>8.2f}{}\n", T,
                           H, payloadFormatName(f), disp * 1e6, net / disp / 1e9, comb * 1e6,
-                          comb_net / comb / 1e9, dedup, imbal));
+                          comb_net / comb / 1e9, dedup, imbal,
+                          o.mem_cuda ? fmt::format(" {:>11.1f}", cached * 1e6) : ""));
       }
   return 0;
 }
@@ -158,6 +245,11 @@ int main(int argc, char** argv) {
         o.iters = std::max(1, std::stoi(next()));
       else if (a == "--warmup")
         o.warmup = std::stoi(next());
+      else if (a == "--mem") {
+        const std::string m = next();
+        if (m != "host" && m != "cuda") throw InvalidArgument("--mem: host or cuda, not '" + m + "'");
+        o.mem_cuda = m == "cuda";
+      }
       else if (a == "--tokens" || a == "--hidden") {
         std::vector<size_t> v;
         for (auto& s : split(next())) v.push_back(std::stoul(s));
@@ -169,11 +261,17 @@ int main(int argc, char** argv) {
         std::fprintf(stderr,
                      "usage: %s [--nranks N] [--ranks-per-node K] [--tokens a,b] [--hidden a,b] "
                      "[--formats native,fp8,mxfp8,nvfp4] [--experts E] [--topk k] [--max-nodes M] [--zipf s] "
-                     "[--iters n] [--warmup n]\n",
+                     "[--iters n] [--warmup n] [--mem host|cuda]\n",
                      argv[0]);
         return a == "--help" || a == "-h" ? 0 : 2;
       }
     }
+#if !defined(CROSSBAR_HAVE_MOE_CUDA)
+    if (o.mem_cuda) {
+      std::fprintf(stderr, "%s: --mem cuda: this build has no CUDA MoE path (configure with CUDA)\n", argv[0]);
+      return 2;
+    }
+#endif
     CommOptions copts;
     if (o.ranks_per_node > 0) {
       setenv("CROSSBAR_RANKS_PER_NODE", std::to_string(o.ranks_per_node).c_str(), 1);

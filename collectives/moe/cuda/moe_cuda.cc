@@ -68,6 +68,8 @@ struct CudaMoeHandle {
   // (node << 32 | index in that node's list, node order).
   const int32_t *c_first = nullptr, *t_first = nullptr;
   const int64_t *c_offs = nullptr, *t_src = nullptr;
+  // combineExpertMajor: expert-major rows of received row i are em_idx[em_first[i] .. em_first[i+1]).
+  const int32_t *em_first = nullptr, *em_idx = nullptr;
   size_t nf = 0;
 };
 
@@ -89,6 +91,7 @@ struct CudaMoeBuffer::Impl {
   int* d_nonfinite = nullptr;
   std::unique_ptr<CudaCollectives> coll;  // NCCL across nodes (N > 1)
   cudaEvent_t event = nullptr;
+  cudaEvent_t last_call = nullptr;  // recorded at the end of every call (the destructor waits for it)
   uint64_t dispatches = 0, combines = 0, calls = 0;
   std::string last_op = "none";
 
@@ -169,6 +172,14 @@ std::shared_ptr<const CudaMoeHandle> CudaMoeBuffer::Impl::makeHandle(CudaMoePlan
       for (size_t i = 0; i < p.node_send[m].size(); ++i)
         t_src[fill[p.node_send[m][i]]++] = (static_cast<int64_t>(m) << 32) | static_cast<int64_t>(i);
   }
+  std::vector<int32_t> em_first(p.num_recv + 1, 0), em_idx(p.expert_major.rows.size());
+  for (int32_t r : p.expert_major.rows) ++em_first[r + 1];
+  for (size_t i = 0; i < p.num_recv; ++i) em_first[i + 1] += em_first[i];
+  {
+    std::vector<int32_t> fill(em_first.begin(), em_first.end() - 1);
+    for (size_t q = 0; q < p.expert_major.rows.size(); ++q) em_idx[fill[p.expert_major.rows[q]]++] = static_cast<int32_t>(q);
+  }
+  const size_t p_ef = reserve(em_first.size() * 4), p_ei = reserve(em_idx.size() * 4);
   const size_t p_cf = reserve(c_first.size() * 4), p_co = reserve(c_offs.size() * 8);
   const size_t p_tf = reserve(t_first.size() * 4), p_ts = reserve(t_src.size() * 8);
 
@@ -181,6 +192,8 @@ std::shared_ptr<const CudaMoeHandle> CudaMoeBuffer::Impl::makeHandle(CudaMoePlan
   put(p_idx, p.topk_idx.data());
   put(p_er, p.expert_major.rows.data());
   put(p_es, p.expert_major.slots.data());
+  put(p_ef, em_first.data());
+  put(p_ei, em_idx.data());
   put(p_cf, c_first.data());
   put(p_co, c_offs.data());
   put(p_tf, t_first.data());
@@ -202,6 +215,8 @@ std::shared_ptr<const CudaMoeHandle> CudaMoeBuffer::Impl::makeHandle(CudaMoePlan
   h->topk_idx = i64(p_idx);
   h->expert_rows = i32(p_er);
   h->expert_slots = i32(p_es);
+  h->em_first = i32(p_ef);
+  h->em_idx = i32(p_ei);
   h->c_first = i32(p_cf);
   h->c_offs = i64(p_co);
   h->t_first = i32(p_tf);
@@ -211,7 +226,20 @@ std::shared_ptr<const CudaMoeHandle> CudaMoeBuffer::Impl::makeHandle(CudaMoePlan
 
 CudaMoeBuffer::CudaMoeBuffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaMoeBuffer::~CudaMoeBuffer() {
-  if (impl_ && impl_->event) cudaEventDestroy(impl_->event);
+  if (!impl_ || !impl_->event) return;
+  // The heap and scratch go away with this object: let the queued work finish (bounded).
+  const Deadline dl = impl_->deadline();
+  while (cudaEventQuery(impl_->last_call) == cudaErrorNotReady) {
+    if (dl.expired()) {
+      CB_WARN("moe", "{}the last {} did not finish before the deadline; freeing its buffers anyway",
+              impl_->ctx("moe destroy (cuda)"), impl_->last_op);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  cudaGetLastError();
+  cudaEventDestroy(impl_->event);
+  cudaEventDestroy(impl_->last_call);
 }
 const MoeConfig& CudaMoeBuffer::config() const {
   return impl_->cfg;
@@ -273,12 +301,16 @@ std::unique_ptr<CudaMoeBuffer> CudaMoeBuffer::create(std::shared_ptr<Communicato
     co.symmetric_heap = false;  // NCCL p2p only; the MoE buffers are this object's heap
     co.timeout = cfg.timeout;
     im->coll = std::make_unique<CudaCollectives>(im->comm, co);
+    // NCCL is created lazily by its first operation, collectively: do it here, where every
+    // rank takes part (a dispatch may give a rank nothing to send or receive).
+    im->coll->barrier(nullptr)->wait(im->deadline());
   }
   im->scalars = deviceAlloc(16, dev, "scales");
   im->d_gscale = static_cast<float*>(im->scalars.get());
   im->d_amax = im->d_gscale + 1;
   im->d_nonfinite = reinterpret_cast<int*>(im->d_gscale + 2);
   sys::checkCuda(cudaEventCreateWithFlags(&im->event, cudaEventDisableTiming), "moe: cudaEventCreate", dev);
+  sys::checkCuda(cudaEventCreateWithFlags(&im->last_call, cudaEventDisableTiming), "moe: cudaEventCreate", dev);
   CB_INFO("moe", "CUDA MoE buffer on device {}: {} experts, top-{}, hidden {}, {} ({}), {} nodes x {} ranks, row {} B",
           dev, cfg.num_experts, cfg.topk, cfg.hidden, payloadFormatName(cfg.format),
           cfg.dtype == DataType::kFloat32 ? "f32" : "bf16", N, L, row);
@@ -463,6 +495,7 @@ CudaDispatchResult CudaMoeBuffer::dispatch(const void* x, size_t tokens, const i
   res.metrics.phases.emplace_back(
       "enqueue", std::chrono::duration<double>(std::chrono::steady_clock::now() - enqueue_start).count());
   res.handle = std::move(h);
+  sys::checkCuda(cudaEventRecord(im.last_call, stream), std::string(op) + ": cudaEventRecord", im.device);
   return res;
 }
 
@@ -527,6 +560,29 @@ CudaCombineResult CudaMoeBuffer::combine(const void* y, DataType y_type, const C
                     im.cfg.max_tokens, res.out, stream);
   res.metrics.phases.emplace_back("enqueue",
                                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  sys::checkCuda(cudaEventRecord(im.last_call, stream), std::string(op) + ": cudaEventRecord", im.device);
+  return res;
+}
+
+CudaCombineResult CudaMoeBuffer::combineExpertMajor(const void* y, DataType y_type, const CudaDispatchResult& d,
+                                                    cudaStream_t stream, const float* weights) {
+  Impl& im = *impl_;
+  const char* op = "moe combine (cuda, expert-major)";
+  if (!d.handle) throw InvalidArgument(im.ctx(op) + "the dispatch result has no handle");
+  if (y_type != DataType::kFloat32 && y_type != DataType::kBFloat16)
+    throw InvalidArgument(im.ctx(op) + "y must be bfloat16 or float32");
+  const CudaMoeHandle& h = *d.handle;
+  if (h.owner != this) throw InvalidArgument(im.ctx(op) + "the handle comes from another CudaMoeBuffer");
+  if (!h.plan.expert_major.rows.empty() && !y) throw InvalidArgument(im.ctx(op) + "y is null");
+  sys::checkCuda(cudaSetDevice(im.device), std::string(op) + ": cudaSetDevice", im.device);
+  // Rows of one token summed here (expert-major order, f32), then the usual combine.
+  DeviceStorage rows = deviceAlloc(h.plan.num_recv * im.cfg.hidden * 4, im.device, "expert-major sums");
+  cuda::sumScaledRows(y, y_type, weights, h.em_first, h.em_idx, h.plan.num_recv, im.cfg.hidden,
+                      static_cast<float*>(rows.get()), stream);
+  CudaCombineResult res = combine(rows.get(), DataType::kFloat32, h, stream);
+  // Work still queued reads `rows`: the result owns it (freed with the result, like `out`).
+  DeviceStorage out = res.storage;
+  res.storage = DeviceStorage(out.get(), [out, rows](void*) {});
   return res;
 }
 

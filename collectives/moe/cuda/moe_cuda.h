@@ -108,6 +108,12 @@ class CudaMoeBuffer {
   CudaCombineResult combine(const void* y, DataType y_type, const CudaMoeHandle& handle, cudaStream_t stream,
                             const float* weights = nullptr);
 
+  // Collective. Combine of expert-major outputs (y: device [expert_rows x hidden]): the rows of
+  // one token are summed first (times `weights` per expert-major row when given), as
+  // MoeBuffer::combineExpertMajor.
+  CudaCombineResult combineExpertMajor(const void* y, DataType y_type, const CudaDispatchResult& dispatched,
+                                       cudaStream_t stream, const float* weights = nullptr);
+
   // Waits for the work queued on `stream` so far; Timeout (naming the buffer's last call)
   // when the deadline passes first, CudaError when it failed.
   void synchronize(cudaStream_t stream, Deadline deadline) const;

@@ -88,6 +88,21 @@ __global__ void scaleRowsKernel(const T* y, const float* w, const int32_t* rows,
   }
 }
 
+template <class T>
+__global__ void sumScaledRowsKernel(const T* y, const float* w, const int32_t* first, const int32_t* idx, size_t n,
+                                    size_t hidden, float* out) {
+  for (size_t i = blockIdx.y; i < n; i += gridDim.y)
+    for (size_t c = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < hidden;
+         c += static_cast<size_t>(gridDim.x) * blockDim.x) {
+      float a = 0.0f;
+      for (int32_t q = first[i]; q < first[i + 1]; ++q) {
+        const size_t r = static_cast<size_t>(idx[q]);
+        a = __fadd_rn(a, __fmul_rn(toFloat(y[r * hidden + c]), w ? w[r] : 1.0f));
+      }
+      out[i * hidden + c] = a;
+    }
+}
+
 __global__ void sumRowsKernel(const float* base, const int64_t* offs, const int32_t* first, size_t n,
                               size_t hidden, float* acc, uint16_t* acc16, size_t bf16_from) {
   for (size_t i = blockIdx.y; i < n; i += gridDim.y)
@@ -187,6 +202,17 @@ void scaleRowsToF32(const void* y, DataType y_type, const float* w, const int32_
   else
     scaleRowsKernel<<<g, kThreads, 0, stream>>>(static_cast<const BFloat16*>(y), w, rows, n, hidden, dst);
   check(cudaGetLastError(), "scaleRowsToF32 launch");
+}
+
+void sumScaledRows(const void* y, DataType y_type, const float* w, const int32_t* first, const int32_t* idx,
+                   size_t n, size_t hidden, float* out, cudaStream_t stream) {
+  if (n == 0 || hidden == 0) return;
+  const dim3 g = rowGrid(n, hidden, kThreads);
+  if (y_type == DataType::kFloat32)
+    sumScaledRowsKernel<<<g, kThreads, 0, stream>>>(static_cast<const float*>(y), w, first, idx, n, hidden, out);
+  else
+    sumScaledRowsKernel<<<g, kThreads, 0, stream>>>(static_cast<const BFloat16*>(y), w, first, idx, n, hidden, out);
+  check(cudaGetLastError(), "sumScaledRows launch");
 }
 
 void sumRows(const float* base, const int64_t* offs, const int32_t* first, size_t n, size_t hidden, float* acc,

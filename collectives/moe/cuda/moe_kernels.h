@@ -39,6 +39,11 @@ void gatherFloats(const float* in, const int32_t* idx, float* out, size_t n, cud
 void scaleRowsToF32(const void* y, DataType y_type, const float* w, const int32_t* rows, size_t n, size_t hidden,
                     float* dst, cudaStream_t stream);
 
+// Expert-major combine: out[i * hidden + c] = sum over q in [first[i], first[i+1]) in q order
+// of float(y[idx[q] * hidden + c]) * (w ? w[idx[q]] : 1), from 0 (f32).
+void sumScaledRows(const void* y, DataType y_type, const float* w, const int32_t* first, const int32_t* idx,
+                   size_t n, size_t hidden, float* out, cudaStream_t stream);
+
 // Combine, step 2: acc[i * hidden + c] = sum over q in [first[i], first[i+1]) of
 // base[offs[q] + c], summed in q order from 0 (f32); rows i >= bf16_from also go to acc16.
 void sumRows(const float* base, const int64_t* offs, const int32_t* first, size_t n, size_t hidden, float* acc,
