@@ -4,10 +4,16 @@
 // expert ids (capacity drops included), per-expert counts, expert-major index, byte counts
 // and dedup metrics. The forwarding lists must be consistent across ranks: what forwarder f
 // writes to rank d is what d expects from f. Topologies 1x1, 1x2, 1x4, 2x2 (virtual nodes).
+// Then the executor's data movement is emulated on the CPU with the plan's and the sum
+// kernels' index arrays (cudaMoeSumIndex), in the kernels' order of operations, over host
+// p2p: the received rows and the plain, weighted and expert-major combines must equal the
+// host executor's bit for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 
+#include "collectives/float_types.h"
 #include "collectives/moe/cuda/moe_cuda_plan.h"
 #include "collectives/moe/moe.h"
 #include "collectives/moe/moe_plan.h"
@@ -23,6 +29,144 @@ using testing::runRanks;
 using namespace testinput;
 
 constexpr uint32_t kTag = 0x1000;
+
+// Rows [rows[i]] of `src` (rows of `width` bytes), packed.
+std::vector<uint8_t> gather(const uint8_t* src, const std::vector<int32_t>& rows, size_t width) {
+  std::vector<uint8_t> out(rows.size() * width);
+  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(out.data() + i * width, src + rows[i] * width, width);
+  return out;
+}
+
+float loadF(const uint8_t* y, DataType t, size_t i) {
+  if (t == DataType::kFloat32) {
+    float v;
+    std::memcpy(&v, y + 4 * i, 4);
+    return v;
+  }
+  BFloat16 b;
+  std::memcpy(&b, y + 2 * i, 2);
+  return b.toFloat();
+}
+
+// The CUDA executor's data movement on the CPU (native payloads; f32 combine wire).
+void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, const CudaMoePlan& p,
+                     const std::vector<uint8_t>& x, const DispatchResult& d, uint32_t tag) {
+  const MoeConfig& cfg = host.config();
+  const size_t H = cfg.hidden, es = elementSize(cfg.dtype), xrow = H * es;
+  const size_t slot_floats = static_cast<size_t>(t.N) * cfg.max_tokens * H;
+  const CudaMoeSumIndex sx = cudaMoeSumIndex(p, slot_floats, H);
+  const Deadline dl = comm.defaultDeadline();
+  // Dispatch: F = own block + the remote nodes' blocks (NCCL in the executor).
+  std::vector<uint8_t> F(sx.nf * xrow);
+  {
+    auto own = gather(x.data(), p.node_send[t.me_node], xrow);
+    std::memcpy(F.data() + p.fwd_start[t.me_node] * xrow, own.data(), own.size());
+  }
+  std::vector<std::vector<uint8_t>> keep(t.N);
+  std::vector<RequestPtr> reqs;
+  for (int m = 0; m < t.N; ++m) {
+    if (m == t.me_node) continue;
+    const int peer = t.node_ranks[m][t.me_local];
+    keep[m] = gather(x.data(), p.node_send[m], xrow);
+    reqs.push_back(comm.isend(keep[m].data(), keep[m].size(), peer, tag + 2));
+    reqs.push_back(comm.irecv(F.data() + p.fwd_start[m] * xrow, p.fwd_count[m] * xrow, peer, tag + 2));
+  }
+  comm.waitAll(reqs, dl);
+  reqs.clear();
+  // Within the node: F rows fwd_to_local[j] into local rank j's slot; decoded to recv_rows.
+  std::vector<std::vector<uint8_t>> out_to(t.L), in_from(t.L);
+  for (int j = 0; j < t.L; ++j) {
+    out_to[j] = gather(F.data(), p.fwd_to_local[j], xrow);
+    if (t.localRank(j) == t.rank) {
+      in_from[j] = out_to[j];
+      continue;
+    }
+    in_from[j].resize(p.recv_rows[j].size() * xrow);
+    reqs.push_back(comm.isend(out_to[j].data(), out_to[j].size(), t.localRank(j), tag + 3));
+    reqs.push_back(comm.irecv(in_from[j].data(), in_from[j].size(), t.localRank(j), tag + 3));
+  }
+  comm.waitAll(reqs, dl);
+  reqs.clear();
+  std::vector<uint8_t> got(p.num_recv * xrow);
+  for (int j = 0; j < t.L; ++j)
+    for (size_t q = 0; q < p.recv_rows[j].size(); ++q)
+      std::memcpy(got.data() + p.recv_rows[j][q] * xrow, in_from[j].data() + q * xrow, xrow);
+  EXPECT_EQ(got, d.x) << "emulated dispatch";
+
+  // Combine of f32 rows y (already weighted), as the kernels do it.
+  auto combine = [&](const std::vector<float>& yw, uint32_t ctag) {
+    std::vector<float> cb(static_cast<size_t>(t.L) * slot_floats, 0.0f);
+    std::vector<std::vector<float>> send(t.L);
+    for (int j = 0; j < t.L; ++j) {
+      for (int32_t r : p.recv_rows[j]) send[j].insert(send[j].end(), yw.begin() + r * H, yw.begin() + (r + 1) * H);
+      float* my_slot_there = cb.data() + static_cast<size_t>(t.me_local) * slot_floats;
+      if (t.localRank(j) == t.rank) {
+        std::copy(send[j].begin(), send[j].end(), my_slot_there);
+        continue;
+      }
+      reqs.push_back(comm.isend(send[j].data(), send[j].size() * 4, t.localRank(j), ctag));
+      // Local rank j's rows for us land in slot j.
+      reqs.push_back(comm.irecv(cb.data() + static_cast<size_t>(j) * slot_floats, p.fwd_to_local[j].size() * H * 4,
+                                t.localRank(j), ctag));
+    }
+    comm.waitAll(reqs, dl);
+    reqs.clear();
+    std::vector<float> acc(sx.nf * H);
+    for (size_t i = 0; i < sx.nf; ++i)
+      for (size_t c = 0; c < H; ++c) {
+        float a = 0.0f;
+        for (int32_t q = sx.c_first[i]; q < sx.c_first[i + 1]; ++q) a += cb[sx.c_offs[q] + c];
+        acc[i * H + c] = a;
+      }
+    std::vector<std::vector<float>> back(t.N);
+    for (int m = 0; m < t.N; ++m) {
+      if (m == t.me_node) continue;
+      const int peer = t.node_ranks[m][t.me_local];
+      back[m].resize(p.node_send[m].size() * H);
+      reqs.push_back(comm.isend(acc.data() + p.fwd_start[m] * H, p.fwd_count[m] * H * 4, peer, ctag + 1));
+      reqs.push_back(comm.irecv(back[m].data(), back[m].size() * 4, peer, ctag + 1));
+    }
+    comm.waitAll(reqs, dl);
+    reqs.clear();
+    std::vector<float> out(p.tokens * H);
+    for (size_t tok = 0; tok < p.tokens; ++tok)
+      for (size_t c = 0; c < H; ++c) {
+        float a = 0.0f;
+        for (int32_t q = sx.t_first[tok]; q < sx.t_first[tok + 1]; ++q) {
+          const int node = static_cast<int>(sx.t_src[q] >> 32);
+          const size_t i = static_cast<size_t>(sx.t_src[q] & 0xFFFFFFFF);
+          a += node == t.me_node ? acc[(p.fwd_start[node] + i) * H + c] : back[node][i * H + c];
+        }
+        out[tok * H + c] = a;
+      }
+    return out;
+  };
+  std::vector<float> rw(d.num_recv);
+  for (size_t i = 0; i < d.num_recv; ++i) rw[i] = 0.5f + 0.375f * static_cast<float>(i % 5);
+  std::vector<float> y(d.num_recv * H), yw(d.num_recv * H);
+  for (size_t i = 0; i < d.num_recv * H; ++i) {
+    y[i] = loadF(d.x.data(), cfg.dtype, i);
+    yw[i] = y[i] * rw[i / H];
+  }
+  CombineResult hc = host.combine(d.x.data(), cfg.dtype, *d.handle);
+  CombineResult hcw = host.combine(d.x.data(), cfg.dtype, *d.handle, rw.data());
+  EXPECT_EQ(0, std::memcmp(combine(y, tag + 4).data(), hc.out.data(), hc.out.size() * 4)) << "emulated combine";
+  EXPECT_EQ(0, std::memcmp(combine(yw, tag + 6).data(), hcw.out.data(), hcw.out.size() * 4))
+      << "emulated weighted combine";
+  // Expert-major: the rows of one received row summed first (em CSR), then combine.
+  std::vector<float> em(d.num_recv * H, 0.0f);
+  for (size_t i = 0; i < d.num_recv; ++i)
+    for (size_t c = 0; c < H; ++c) {
+      float a = 0.0f;
+      for (int32_t q = sx.em_first[i]; q < sx.em_first[i + 1]; ++q)
+        a += loadF(d.x_expert_major.data(), cfg.dtype, static_cast<size_t>(sx.em_idx[q]) * H + c) *
+             d.expert_weights[sx.em_idx[q]];
+      em[i * H + c] = a;
+    }
+  CombineResult hem = host.combineExpertMajor(d.x_expert_major.data(), cfg.dtype, d, d.expert_weights.data());
+  EXPECT_EQ(0, std::memcmp(combine(em, tag + 8).data(), hem.out.data(), hem.out.size() * 4))
+      << "emulated expert-major combine";
+}
 
 void checkCase(Communicator& comm, MoeBuffer& host, Route route, uint32_t tag) {
   const MoeConfig& cfg = host.config();
@@ -98,6 +242,8 @@ void checkCase(Communicator& comm, MoeBuffer& host, Route route, uint32_t tag) {
   std::sort(all.begin(), all.end());
   for (size_t i = 0; i < all.size(); ++i) ASSERT_EQ(all[i], static_cast<int32_t>(i));
   EXPECT_EQ(all.size(), p.num_recv);
+
+  if (cfg.format == PayloadFormat::kNative) emulateExecutor(comm, host, topo, p, x, d, tag);
 }
 
 void body(RankEnv& env) {
@@ -120,6 +266,12 @@ void body(RankEnv& env) {
   auto hc = MoeBuffer::create(comm, capped);
   checkCase(*comm, *hc, Route::kOneExpert, tag);
   checkCase(*comm, *hc, Route::kNodeLimited, tag + 16);
+  MoeConfig f32 = cfg;
+  f32.dtype = DataType::kFloat32;
+  f32.expert_capacity = 3;
+  auto hf = MoeBuffer::create(comm, f32);
+  checkCase(*comm, *hf, Route::kRandom, tag + 32);
+  checkCase(*comm, *hf, Route::kOneExpert, tag + 48);
 }
 
 void runTopology(int ranks, int per_node) {

@@ -148,37 +148,15 @@ std::shared_ptr<const CudaMoeHandle> CudaMoeBuffer::Impl::makeHandle(CudaMoePlan
   const size_t p_idx = reserve(p.topk_idx.size() * 8);
   const size_t p_er = reserve(p.expert_major.rows.size() * 4), p_es = reserve(p.expert_major.slots.size() * 4);
 
-  // Combine indices.
-  for (size_t c : p.fwd_count) h->nf += c;
-  std::vector<int32_t> c_first(h->nf + 1, 0);
-  for (const auto& list : p.fwd_to_local)
-    for (int32_t f : list) ++c_first[f + 1];
-  for (size_t i = 0; i < h->nf; ++i) c_first[i + 1] += c_first[i];
-  std::vector<int64_t> c_offs(c_first[h->nf]);
-  {
-    std::vector<int32_t> fill(c_first.begin(), c_first.end() - 1);
-    for (int j = 0; j < topo.L; ++j)
-      for (size_t q = 0; q < p.fwd_to_local[j].size(); ++q)
-        c_offs[fill[p.fwd_to_local[j][q]]++] = static_cast<int64_t>(j * (cslot / 4) + q * H);
-  }
-  std::vector<int32_t> t_first(p.tokens + 1, 0);
-  for (const auto& list : p.node_send)
-    for (int32_t t : list) ++t_first[t + 1];
-  for (size_t t = 0; t < p.tokens; ++t) t_first[t + 1] += t_first[t];
-  std::vector<int64_t> t_src(t_first[p.tokens]);
-  {
-    std::vector<int32_t> fill(t_first.begin(), t_first.end() - 1);
-    for (int m = 0; m < topo.N; ++m)
-      for (size_t i = 0; i < p.node_send[m].size(); ++i)
-        t_src[fill[p.node_send[m][i]]++] = (static_cast<int64_t>(m) << 32) | static_cast<int64_t>(i);
-  }
-  std::vector<int32_t> em_first(p.num_recv + 1, 0), em_idx(p.expert_major.rows.size());
-  for (int32_t r : p.expert_major.rows) ++em_first[r + 1];
-  for (size_t i = 0; i < p.num_recv; ++i) em_first[i + 1] += em_first[i];
-  {
-    std::vector<int32_t> fill(em_first.begin(), em_first.end() - 1);
-    for (size_t q = 0; q < p.expert_major.rows.size(); ++q) em_idx[fill[p.expert_major.rows[q]]++] = static_cast<int32_t>(q);
-  }
+  // Combine indices (shared with the CPU test of the plan).
+  CudaMoeSumIndex sx = cudaMoeSumIndex(p, cslot / sizeof(float), H);
+  h->nf = sx.nf;
+  const auto& c_first = sx.c_first;
+  const auto& c_offs = sx.c_offs;
+  const auto& t_first = sx.t_first;
+  const auto& t_src = sx.t_src;
+  const auto& em_first = sx.em_first;
+  const auto& em_idx = sx.em_idx;
   const size_t p_ef = reserve(em_first.size() * 4), p_ei = reserve(em_idx.size() * 4);
   const size_t p_cf = reserve(c_first.size() * 4), p_co = reserve(c_offs.size() * 8);
   const size_t p_tf = reserve(t_first.size() * 4), p_ts = reserve(t_src.size() * 8);

@@ -140,4 +140,41 @@ CudaMoePlan exchangeCudaMoePlan(Communicator& comm, const MoeTopology& t, const 
   return p;
 }
 
+CudaMoeSumIndex cudaMoeSumIndex(const CudaMoePlan& p, size_t slot_floats, size_t hidden) {
+  CudaMoeSumIndex x;
+  for (size_t c : p.fwd_count) x.nf += c;
+  x.c_first.assign(x.nf + 1, 0);
+  for (const auto& list : p.fwd_to_local)
+    for (int32_t f : list) ++x.c_first[f + 1];
+  for (size_t i = 0; i < x.nf; ++i) x.c_first[i + 1] += x.c_first[i];
+  x.c_offs.resize(x.c_first[x.nf]);
+  {
+    std::vector<int32_t> fill(x.c_first.begin(), x.c_first.end() - 1);
+    for (size_t j = 0; j < p.fwd_to_local.size(); ++j)
+      for (size_t q = 0; q < p.fwd_to_local[j].size(); ++q)
+        x.c_offs[fill[p.fwd_to_local[j][q]]++] = static_cast<int64_t>(j * slot_floats + q * hidden);
+  }
+  x.t_first.assign(p.tokens + 1, 0);
+  for (const auto& list : p.node_send)
+    for (int32_t t : list) ++x.t_first[t + 1];
+  for (size_t t = 0; t < p.tokens; ++t) x.t_first[t + 1] += x.t_first[t];
+  x.t_src.resize(x.t_first[p.tokens]);
+  {
+    std::vector<int32_t> fill(x.t_first.begin(), x.t_first.end() - 1);
+    for (size_t m = 0; m < p.node_send.size(); ++m)
+      for (size_t i = 0; i < p.node_send[m].size(); ++i)
+        x.t_src[fill[p.node_send[m][i]]++] = (static_cast<int64_t>(m) << 32) | static_cast<int64_t>(i);
+  }
+  const auto& rows = p.expert_major.rows;
+  x.em_first.assign(p.num_recv + 1, 0);
+  x.em_idx.resize(rows.size());
+  for (int32_t r : rows) ++x.em_first[r + 1];
+  for (size_t i = 0; i < p.num_recv; ++i) x.em_first[i + 1] += x.em_first[i];
+  {
+    std::vector<int32_t> fill(x.em_first.begin(), x.em_first.end() - 1);
+    for (size_t q = 0; q < rows.size(); ++q) x.em_idx[fill[rows[q]]++] = static_cast<int32_t>(q);
+  }
+  return x;
+}
+
 }  // namespace crossbar::moe

@@ -39,6 +39,21 @@ struct CudaMoePlan {
   uint64_t inter_node_bytes = 0, intra_node_bytes = 0;  // rows of `row_bytes` this rank sends
 };
 
+// Index arrays of the executor's sum kernels, derived from a plan (CPU side of the handle):
+//   forwarder: contributions of F row i are c_offs[c_first[i] .. c_first[i+1]), float offsets
+//     j * slot_floats + q * hidden into the forwarder's combine buffer (slot j = local rank j,
+//     row q = its q-th row for us), in local-rank order;
+//   source: partials of token t are t_src[t_first[t] .. t_first[t+1]) = node << 32 | index in
+//     node_send[node], in node order;
+//   expert-major combine: expert-major rows of received row i are em_idx[em_first[i] ..
+//     em_first[i+1]), ascending.
+struct CudaMoeSumIndex {
+  size_t nf = 0;  // rows of F
+  std::vector<int32_t> c_first, t_first, em_first, em_idx;
+  std::vector<int64_t> c_offs, t_src;
+};
+CudaMoeSumIndex cudaMoeSumIndex(const CudaMoePlan& plan, size_t slot_floats, size_t hidden);
+
 // Collective over comm (same call order on every rank; uses tags [tag, tag + 2)).
 // topk_idx: host [tokens x topk].
 CudaMoePlan exchangeCudaMoePlan(Communicator& comm, const MoeTopology& topo, const MoeConfig& cfg,
