@@ -194,6 +194,42 @@ void SymmStaging::releaseAll() {
     if (q != rank_) release(q);
 }
 
+// Copy-in to the staging. Its lines were read by the peers on their cores last time,
+// and what a plain store then costs depends on where the host runs this VM's vCPUs:
+// measured on this EPYC VM (phase timers, 1 MiB, docs/performance.md session 4), a
+// plain copy-in took 22 us in some runs and 370-420 us in others (the store's
+// read-for-ownership of lines cached on the other core), while streaming stores
+// (whole lines, no fetch) took 37-72 us in both. So each rank times its large
+// copy-ins and keeps the faster kind, retrying the other every kStageExplore copies
+// (the placement changes while a job runs). Only this rank's stores change: the
+// bytes and the protocol are the same either way (the streaming path ends with a
+// fence, before the READY signal).
+namespace {
+constexpr size_t kStageTimedBytes = 16 * 1024;  // smaller copies: plain, untimed
+constexpr uint64_t kStageExplore = 64;
+}  // namespace
+
+void SymmStaging::stageCopy(void* dst, const void* src, size_t bytes) {
+  if (bytes < kStageTimedBytes) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  bool stream = stage_plain_ns_ == 0 ? false : stage_stream_ns_ == 0 || stage_stream_ns_ < stage_plain_ns_;
+  if (++stage_copies_ % kStageExplore == 0) stream = !stream;
+  const auto t0 = Clock::now();
+  if (stream)
+    symm::copyBytesNonTemporal(dst, src, bytes);
+  else
+    std::memcpy(dst, src, bytes);
+  const double ns_per_kib =
+      static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()) *
+      1024.0 / static_cast<double>(bytes);
+  // Drops at once to a faster sample, rises an eighth of the way to a slower one (a
+  // preempted copy is one slow sample, a placement change a run of them).
+  double& est = stream ? stage_stream_ns_ : stage_plain_ns_;
+  est = est == 0 ? ns_per_kib : std::min(ns_per_kib, est + (ns_per_kib - est) / 8);
+}
+
 SymmCache::SymmCache() {
   bytes_ = env::getSize("CROSSBAR_COLL_SYMM_BYTES");
   chunk_ = env::getSize("CROSSBAR_COLL_SYMM_CHUNK");
@@ -268,7 +304,7 @@ void allreduceOneShot(const CollArgs& a, RunContext& x) {
     const int h = s.halfOf(k);
     const size_t lo = k * C, m = std::min(C, n - lo);
     s.acquire(h, x.deadline);
-    std::memcpy(s.mine(h), ccp(a.send) + lo * es, m * es);
+    s.stageCopy(s.mine(h), ccp(a.send) + lo * es, m * es);
     s.publishAll(h);
     for (int q = 0; q < p; ++q) srcs[q] = q == r ? ccp(a.send) + lo * es : s.slot(q, h);
     s.waitAll(SymmStaging::kReady, x.deadline);
@@ -278,9 +314,9 @@ void allreduceOneShot(const CollArgs& a, RunContext& x) {
   s.advance(K);
 }
 
-// Two-shot: stage the chunk; rank r reduces block r of it from every rank's half (in
-// place, into its own half), then every rank copies all reduced blocks out. Each
-// element is read about twice per rank instead of p times.
+// Two-shot: stage the chunk; rank r reduces block r of it from every rank's half into
+// its output and stages the result, then every rank copies the peers' reduced blocks
+// out. Each element is read about twice per rank instead of p times.
 void twoShot(const CollArgs& a, RunContext& x, bool nt) {
   SymmStaging& s = staging(*x.comm, x);
   const int p = s.size(), r = s.rank();
@@ -294,15 +330,20 @@ void twoShot(const CollArgs& a, RunContext& x, bool nt) {
     const size_t lo = k * C, m = std::min(C, n - lo);
     const Split sp = splitOf(m, p, es);
     s.acquire(h, x.deadline);
-    std::memcpy(s.mine(h), ccp(a.send) + lo * es, m * es);
+    s.stageCopy(s.mine(h), ccp(a.send) + lo * es, m * es);
     s.publishAll(h);
     s.waitAll(SymmStaging::kReady, x.deadline);
+    // Own block: reduce into the (private) output, then stage the result for the
+    // peers with stageCopy (reducing straight into the staging, whose lines the peers
+    // read last time, stalls on ownership like a plain copy-in; see stageCopy).
     const size_t bo = sp.off(r) * es;
-    for (int q = 0; q < p; ++q) srcs[q] = s.slot(q, h) + bo;
-    if (sp.len(r)) reduce(s.mine(h) + bo, srcs.data(), p, sp.len(r), a.type, a.op, prm);
+    char* own = cp(a.recv) + lo * es + bo;
+    for (int q = 0; q < p; ++q) srcs[q] = q == r ? ccp(a.send) + lo * es + bo : s.slot(q, h) + bo;
+    if (sp.len(r)) {
+      reduce(own, srcs.data(), p, sp.len(r), a.type, a.op, prm);
+      s.stageCopy(s.mine(h) + bo, own, sp.len(r) * es);
+    }
     s.notifyAll(SymmStaging::kReduced);
-    // Own block first (no wait), then the peers' as they finish.
-    copyOut(cp(a.recv) + lo * es + bo, s.mine(h) + bo, sp.len(r) * es, nt);
     for (int i = 1; i < p; ++i) {
       const int q = (r + i) % p;
       s.wait(q, SymmStaging::kReduced, x.deadline);
@@ -348,7 +389,7 @@ void symmReduceScatter(SymmStaging& s, const RunContext& x, const void* in, void
     s.acquire(h, x.deadline);
     for (int b = 0; b < p; ++b) {
       if (b == r || B.len[b] <= lo) continue;
-      std::memcpy(s.mine(h) + b * stride, ccp(in) + (B.off[b] + lo) * es, std::min(C, B.len[b] - lo) * es);
+      s.stageCopy(s.mine(h) + b * stride, ccp(in) + (B.off[b] + lo) * es, std::min(C, B.len[b] - lo) * es);
     }
     s.publishAll(h);
     s.waitAll(SymmStaging::kReady, x.deadline);
@@ -374,7 +415,7 @@ void symmAllgather(SymmStaging& s, const RunContext& x, const void* mine, void* 
     const int h = s.halfOf(k);
     const size_t lo = k * C;
     s.acquire(h, x.deadline);
-    if (B.len[r] > lo) std::memcpy(s.mine(h), ccp(mine) + lo * es, std::min(C, B.len[r] - lo) * es);
+    if (B.len[r] > lo) s.stageCopy(s.mine(h), ccp(mine) + lo * es, std::min(C, B.len[r] - lo) * es);
     s.publishAll(h);
     for (int i = 1; i < p; ++i) {
       const int q = (r + i) % p;
@@ -441,7 +482,7 @@ void broadcastSymm(const CollArgs& a, RunContext& x) {
     const size_t lo = k * C, m = std::min(C, n - lo);
     if (r == a.root) {
       s.acquire(h, x.deadline);
-      std::memcpy(s.mine(h), ccp(a.recv) + lo * es, m * es);
+      s.stageCopy(s.mine(h), ccp(a.recv) + lo * es, m * es);
       s.publishAll(h);
     } else {
       s.wait(a.root, SymmStaging::kReady, x.deadline);
@@ -465,7 +506,7 @@ void reduceSymm(const CollArgs& a, RunContext& x) {
     const size_t lo = k * C, m = std::min(C, n - lo);
     if (r != a.root) {
       s.acquire(h, x.deadline);
-      std::memcpy(s.mine(h), ccp(a.send) + lo * es, m * es);
+      s.stageCopy(s.mine(h), ccp(a.send) + lo * es, m * es);
       s.publish(h, a.root);
       continue;
     }
@@ -489,7 +530,7 @@ void gatherSymm(const CollArgs& a, RunContext& x) {
     const size_t lo = k * C, m = std::min(C, n - lo);
     if (r != a.root) {
       s.acquire(h, x.deadline);
-      std::memcpy(s.mine(h), ccp(a.send) + lo * es, m * es);
+      s.stageCopy(s.mine(h), ccp(a.send) + lo * es, m * es);
       s.publish(h, a.root);
       continue;
     }
@@ -516,7 +557,7 @@ void scatterSymm(const CollArgs& a, RunContext& x) {
     if (r == a.root) {
       s.acquire(h, x.deadline);
       for (int b = 0; b < p; ++b)
-        if (b != r) std::memcpy(s.mine(h) + b * stride, ccp(a.send) + (b * n + lo) * es, m * es);
+        if (b != r) s.stageCopy(s.mine(h) + b * stride, ccp(a.send) + (b * n + lo) * es, m * es);
       s.publishAll(h);
     } else {
       s.wait(a.root, SymmStaging::kReady, x.deadline);
@@ -554,7 +595,7 @@ void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const si
       s.acquire(h, x.deadline);
       for (int q = 0; q < p; ++q) {
         if (q == r || scnt[q] <= lo) continue;
-        std::memcpy(s.mine(h) + q * stride, in + (sdsp[q] + lo) * es, std::min(C, scnt[q] - lo) * es);
+        s.stageCopy(s.mine(h) + q * stride, in + (sdsp[q] + lo) * es, std::min(C, scnt[q] - lo) * es);
         s.publish(h, q);
       }
     }

@@ -71,6 +71,10 @@ class SymmStaging {
   void wait(int peer, int channel, Deadline deadline);
   void release(int owner) { buf_->putSignal(owner, kFree); }
 
+  // Copies into this rank's half(s) for peers to read: plain or streaming stores,
+  // whichever has copied faster on this rank lately (symm_algorithms.cc says why).
+  void stageCopy(void* dst, const void* src, size_t bytes);
+
   // Helpers over every peer but this rank.
   void publishAll(int h);
   void notifyAll(int channel);
@@ -116,6 +120,8 @@ class SymmStaging {
   bool cma_ = false, cma_probed_ = false;
   std::string cma_reason_;
   std::vector<int64_t> pids_;  // by rank (CMA)
+  double stage_plain_ns_ = 0, stage_stream_ns_ = 0;  // recent ns per KiB of stageCopy (0: not yet)
+  uint64_t stage_copies_ = 0;
   uint64_t token_ = 0;         // read by peers in the probe
 };
 

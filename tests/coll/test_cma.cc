@@ -166,7 +166,7 @@ TEST(Cma, AutoIsAgreedAndSelected) {
         EXPECT_EQ(pick(CollType::kAllgather, 1 << 20, ""), "symm");
         EXPECT_EQ(pick(CollType::kAllgather, 1 << 20, "cma"), "cma");
         EXPECT_EQ(pick(CollType::kAlltoallv, 64, "alltoallv=cma"), "cma");
-        EXPECT_EQ(pick(CollType::kAlltoall, 64, "alltoallv=cma"), "symm");
+        EXPECT_EQ(pick(CollType::kAlltoall, 1 << 20, "alltoallv=cma"), "symm");  // above the eager sizes
         runCmaCollectives(coll, *comm, 100003, 1);
         comm->destroy();
       },
@@ -210,6 +210,40 @@ TEST(Cma, BuffersReusableRightAfterCompletion) {
             std::memset(b.data(), 0x5A, n);
           } else {
             ASSERT_EQ(firstWrong(b.data(), n, iter, root), -1) << "broadcast, iteration " << iter;
+          }
+        }
+        comm->destroy();
+      },
+      opts);
+}
+
+// The staging copy-in picks plain or streaming stores by timing (retrying the other
+// kind every 64 large copies): both kinds must copy every byte exactly, at any size and
+// alignment, and the copy must be complete when the peer sees the READY signal.
+TEST(StageCopy, BothStoreKindsCopyExactlyAndBeforeTheSignal) {
+  RunOptions opts;
+  opts.env["CROSSBAR_TIMEOUT"] = "60s";
+  runRanks(
+      2,
+      [](RankEnv& env) {
+        auto comm = env.communicator();
+        SymmStaging s(comm, 1 << 20, 256 * 1024);
+        const int r = s.rank(), peer = 1 - r;
+        const size_t sizes[] = {1, 63, 16 * 1024 - 1, 16 * 1024, 16 * 1024 + 5, 100003, 256 * 1024 - 7};
+        std::vector<uint8_t> src(300 * 1024), got(300 * 1024);
+        for (int i = 0; i < 300; ++i) {  // > 2 x 64 large copies: each store kind runs
+          const size_t bytes = sizes[i % 7], dst_off = (i * 13) % 64, src_off = (i * 7) % 61;
+          for (int h = 0; h < 2; ++h) {
+            if (i > 0) s.wait(peer, SymmStaging::kFree, Deadline::after(Millis(60000)));
+            for (size_t j = 0; j < bytes; ++j) src[src_off + j] = static_cast<uint8_t>(j * 31 + i * 7 + r * 3 + h);
+            s.stageCopy(s.mine(h) + dst_off, src.data() + src_off, bytes);
+            s.notify(peer, SymmStaging::kReady);
+            s.wait(peer, SymmStaging::kReady, Deadline::after(Millis(60000)));
+            std::memcpy(got.data(), s.slot(peer, h) + dst_off, bytes);
+            s.release(peer);
+            for (size_t j = 0; j < bytes; ++j)
+              ASSERT_EQ(got[j], static_cast<uint8_t>(j * 31 + i * 7 + peer * 3 + h))
+                  << "copy " << i << " half " << h << ", " << bytes << " bytes, byte " << j;
           }
         }
         comm->destroy();
