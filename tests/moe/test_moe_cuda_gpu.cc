@@ -336,6 +336,24 @@ TEST(MoeCudaGpu, DispatchCombineMatchHost1x4) {
   runCudaVsHost(4, 4);
 }
 
+// Without a device the CUDA buffer refuses to be created (Unsupported, naming the reason);
+// a bad config is InvalidArgument first, as on the host path.
+TEST(MoeCudaGpu, CreateWithoutDeviceIsUnsupported) {
+  if (gpucheck::gpuUnavailableReason().empty()) GTEST_SKIP() << "a GPU is present: the tests above cover creation";
+  testing::runRanks(2, [](testing::RankEnv& env) {
+    auto comm = env.communicator();
+    MoeConfig cfg;
+    cfg.max_tokens = 8;
+    cfg.hidden = 16;
+    cfg.topk = 2;
+    cfg.num_experts = 4;
+    EXPECT_THROW(CudaMoeBuffer::create(comm, cfg), Unsupported);
+    EXPECT_THROW(CudaMoeBuffer::create(comm, cfg, CudaMoeBuffer::Options{0}), Unsupported);
+    cfg.num_experts = 3;
+    EXPECT_THROW(CudaMoeBuffer::create(comm, cfg), InvalidArgument);
+  });
+}
+
 // Device count, asked in a forked child (this process never initializes CUDA).
 int deviceCountInChild() {
   char path[] = "/tmp/moe_cuda_gpu_count_XXXXXX";
