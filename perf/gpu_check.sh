@@ -9,7 +9,8 @@
 #   gtest      every test_*_gpu gtest binary in PREBUILT/bin (symmem, CUDA collectives,
 #              MoE, FT/NCCL, ...), built elsewhere by perf/gpu/prepare_prebuilt.sh
 #   perf       all_reduce_perf / all_gather_perf / alltoall_perf --mem cuda --nranks 2
-#              (two processes sharing the GPU; small-message latency and bandwidth)
+#              (two processes sharing the GPU; small-message latency and bandwidth), and
+#              moe_dispatch_perf --mem cuda --nranks 2 (MoE dispatch/combine, 30 s)
 #   matmul     perf/gpu/matmul_overlap: bf16 matmul alone vs with copy-engine / SM copies
 #   ce         perf/gpu/ce_bandwidth: copy-engine bandwidth vs the D2D ceiling
 #   torch      perf/gpu/build_torch_ext.sh builds crossbar._C against THIS machine's torch (started
