@@ -31,6 +31,7 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/cuda/route.h"
+#include "collectives/eager.h"
 #include "collectives/selection.h"
 #include "collectives/signature.h"
 #include "collectives/symm_staging.h"
@@ -448,6 +449,7 @@ struct Collectives::Impl {
   std::shared_ptr<Scratch> scratch = std::make_shared<Scratch>();
   std::shared_ptr<SymmCache> symm = std::make_shared<SymmCache>();
   std::shared_ptr<CallChecker> checker;
+  std::shared_ptr<EagerChannel> eager;  // eager.h: small calls, one node
   int group_depth = 0;
   std::vector<Planned> group;
   std::shared_ptr<WorkImpl> group_work;
@@ -488,7 +490,7 @@ std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> o
   // Telemetry: issue time here, start/end/waits around the run (PeerWait in the algorithms).
   const int64_t issued_ns = telemetry::Recorder::instance().enabled() ? telemetry::nowNs() : 0;
   return [comm = comm, ops = std::move(ops), chunk = chunk_bytes, hier = hier, scratch = scratch, symm = symm,
-          checker = checker, issued_ns](Deadline deadline) {
+          checker = checker, eager = eager, issued_ns](Deadline deadline) {
     RunContext x;
     x.scratch = scratch.get();
     x.symm = symm.get();
@@ -499,6 +501,8 @@ std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> o
     if (ops.size() == 1 && !isP2p(ops[0].args.coll)) {
       telemetry::OpScope record(collTypeName(ops[0].args.coll), ops[0].args.selectionBytes(comm->size()),
                                 ops[0].algo->name, issued_ns, opSeq(ops[0]), comm->rank());
+      // The eager path checks the call in its own slots (eager.h).
+      if (isEagerAlgorithm(ops[0].algo)) return eager->run(ops[0].args, ops[0].seq, deadline);
       checker->check(comm, ops[0].args, ops[0].seq, deadline);
       if (isEmpty(ops[0].args)) return;
       x.tag = ops[0].tag;
@@ -528,6 +532,10 @@ std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> o
     }
     for (const Planned& op : ops) {
       if (isP2p(op.args.coll)) continue;
+      if (isEagerAlgorithm(op.algo)) {
+        eager->run(op.args, op.seq, deadline);
+        continue;
+      }
       checker->check(comm, op.args, op.seq, deadline);
       if (isEmpty(op.args)) continue;
       x.tag = op.tag;
@@ -587,6 +595,18 @@ Collectives::Collectives(std::shared_ptr<Communicator> comm) : comm_(std::move(c
   impl_->env_override = parseAlgoOverride(env::getString("CROSSBAR_ALGO"));
   impl_->chunk_bytes = std::max<uint64_t>(env::getSize("CROSSBAR_COLL_CHUNK_SIZE"), 64);
   impl_->checker = std::make_shared<CallChecker>(callCheckModeFromEnv());
+  impl_->eager = std::make_shared<EagerChannel>(comm_, impl_->checker);
+  // The eager slots are created right after the call-check slots on either path, and a
+  // waiting check looks for a peer's call in them (eager.h).
+  std::weak_ptr<EagerChannel> eager = impl_->eager;
+  impl_->checker->setLocalHooks(
+      [eager] {
+        if (auto e = eager.lock()) e->create();
+      },
+      [eager](int peer, uint64_t seq, CallSignature* out) {
+        auto e = eager.lock();
+        return e && e->peek(peer, seq, out);
+      });
   impl_->worker = std::thread([q = impl_->q] { q->workerLoop(); });
 }
 

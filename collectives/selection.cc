@@ -1,5 +1,7 @@
 #include "collectives/selection.h"
 
+#include "collectives/eager.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -124,6 +126,7 @@ std::deque<Algorithm>& registry() {
     registerHostAlgorithms(*v);
     registerSymmAlgorithms(*v);
     registerHierAlgorithms(*v);
+    registerEagerAlgorithms(*v);
     return v;
   }();
   return *r;
@@ -230,6 +233,16 @@ constexpr int kAnyRanks = std::numeric_limits<int>::max();
 // point where moving 2(p-1)/p of the data in p-1 steps wins; measured on shm.
 const std::vector<SelectionRule>& selectionTable() {
   static const std::vector<SelectionRule> table = {
+      // One node, small calls: the eager path (eager.h), below CROSSBAR_EAGER_BYTES
+      // (default 8K): data, completion and call check in one slot store per rank, one
+      // wait per peer (the staged algorithms pay a call-check round plus a signal per
+      // chunk and peer). Measured in docs/performance.md ("Small messages").
+      {CollType::kAllreduce, 0, eagerMaxBytes(), 1, kAnyRanks, NodeScope::kSingle, "eager"},
+      {CollType::kAllgather, 0, eagerMaxBytes(), 1, kAnyRanks, NodeScope::kSingle, "eager"},
+      {CollType::kReduceScatter, 0, eagerMaxBytes(), 1, kAnyRanks, NodeScope::kSingle, "eager"},
+      {CollType::kBroadcast, 0, eagerMaxBytes(), 1, kAnyRanks, NodeScope::kSingle, "eager"},
+      {CollType::kAlltoall, 0, eagerMaxBytes(), 1, kAnyRanks, NodeScope::kSingle, "eager"},
+      {CollType::kBarrier, 0, kInf, 1, kAnyRanks, NodeScope::kSingle, "eager"},
       // One node: symmetric memory (symm_algorithms.cc). One-shot while reading every
       // peer's whole buffer is cheaper than a second synchronization round; streaming
       // output stores once the result no longer fits in cache with the staging.

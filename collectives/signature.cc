@@ -328,18 +328,42 @@ void storeRelease(char* p, uint64_t v) {
 }
 }  // namespace
 
+void CallChecker::ensureLocal(const std::shared_ptr<Communicator>& comm) {
+  if (slots_) return;
+  symm::HeapOptions o;
+  o.channels = 1;
+  o.name = "callcheck";
+  o.remote_access = false;
+  heap_ = symm::SymmetricHeap::create(comm, o);
+  slots_ = heap_.allocate(kSlotBytes * (kSlots + 1) + kSlots * countsBytes(comm->size()));
+  if (after_local_init_) after_local_init_();
+}
+
+bool CallChecker::peekLocal(int peer, uint64_t seq, CallSignature* out) const {
+  if (!slots_ || peer < 0 || peer >= slots_->worldSize() || peer == slots_->rank()) return false;
+  const char* theirs = slots_->peer<char>(peer) + kSlotBytes * (1 + seq % kSlots);
+  if (loadAcquire(theirs) != seq + 1) return false;
+  SlotFields g;
+  std::memcpy(&g, theirs, sizeof g);
+  *out = CallSignature{};
+  out->coll = g.coll;
+  out->type = g.type;
+  out->op = g.op;
+  out->root = g.root;
+  out->count = g.count;
+  out->seq = seq;
+  return true;
+}
+
+void CallChecker::noteSkipped(uint64_t seq) {
+  if (slots_) storeRelease(slots_->local<char>(), seq + 1);
+}
+
 std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Communicator>& comm,
                                                       const CallSignature& mine, uint64_t seq,
                                                       Deadline deadline) {
   const int p = comm->size(), r = comm->rank();
-  if (!slots_) {
-    symm::HeapOptions o;
-    o.channels = 1;
-    o.name = "callcheck";
-    o.remote_access = false;
-    heap_ = symm::SymmetricHeap::create(comm, o);
-    slots_ = heap_.allocate(kSlotBytes * (kSlots + 1) + kSlots * countsBytes(p));
-  }
+  ensureLocal(comm);
   char* own = slots_->local<char>();
   if (seq >= kSlots) {
     // Flow control: every peer must be done with the call this slot held (rarely waits:
@@ -378,18 +402,41 @@ std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Comm
     if (q != r) slots_->putSignal(q, 0);
   std::vector<CallSignature> calls(p);
   calls[r] = mine;
+  std::vector<int> eager_ranks;  // peers that published this collective on the eager path
   for (int q = 0; q < p; ++q) {
     if (q == r) continue;
     // Spin, then yield the core (with more ranks than cores the peer may need this very
-    // core to arrive), then the buffer's blocking wait (futex, deadline, peer failure).
+    // core to arrive), then the buffer's blocking wait (futex, deadline, peer failure),
+    // in slices that look for the peer's call on the eager path (eager.h) when it has one.
     auto arrived = [&] { return slots_->signalValue(q, 0) >= local_checks_ + 1; };
+    auto eager = [&] { return peer_probe_ && peer_probe_(q, seq, &calls[q]); };
     telemetry::PeerWait waiting(q, !arrived());  // the op's wait for its peers (telemetry)
+    bool on_eager = false;
     if (!arrived()) {
       for (int i = 0; i < 256 && !arrived(); ++i) __builtin_ia32_pause();
       const auto yield_until = Clock::now() + Millis(2);
-      while (!arrived() && Clock::now() < yield_until) sched_yield();
+      for (int i = 0; !arrived() && Clock::now() < yield_until; ++i) {
+        if (i % 32 == 31 && (on_eager = eager())) break;
+        sched_yield();
+      }
     }
-    slots_->waitSignal(q, 0, deadline);  // consumes the signal; returns at once if it arrived
+    while (!on_eager) {
+      if (!peer_probe_ || arrived()) {
+        slots_->waitSignal(q, 0, deadline);  // consumes the signal; returns at once if it arrived
+        break;
+      }
+      if ((on_eager = eager())) break;
+      try {
+        slots_->waitSignal(q, 0, deadline.min(Deadline::after(Millis(20))));
+        break;
+      } catch (const Timeout&) {
+        if (deadline.expired()) throw;
+      }
+    }
+    if (on_eager) {
+      eager_ranks.push_back(q);
+      continue;
+    }
     const char* theirs = slots_->peer<char>(q) + kSlotBytes * (1 + seq % kSlots);
     const uint64_t seq1 = loadAcquire(theirs);
     SlotFields g;
@@ -411,6 +458,20 @@ std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Comm
       std::memcpy(c.send_counts.data(), counts, 8 * static_cast<size_t>(p));
       std::memcpy(c.recv_counts.data(), counts + 8 * static_cast<size_t>(p), 8 * static_cast<size_t>(p));
     }
+  }
+  if (!eager_ranks.empty()) {
+    // Not every rank is here: the state of the signal counts is unknown, so report now.
+    Mismatch m = findMismatch(calls);
+    if (m.message.empty()) {
+      m.ranks = eager_ranks;
+      m.message = fmt::format(
+          "ranks chose different algorithms for {}: rank(s) {} took the eager path, this rank did not "
+          "(do CROSSBAR_EAGER_BYTES, CROSSBAR_ALGO and CollOptions.algorithm agree on every rank?)",
+          mine.describe(), fmt::join(eager_ranks, ","));
+    }
+    throw InvalidUsage(fmt::format("{}{} (CROSSBAR_CHECK_CALLS={})", errorContext(r, "call check"), m.message,
+                                   callCheckModeName(mode_)),
+                       m.ranks);
   }
   storeRelease(own, seq + 1);  // progress: peers may reuse this check's slots
   ++local_checks_;

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,22 @@ class CallChecker {
   Mismatch compare(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq,
                    Deadline deadline);
 
+  // Hooks of the eager path (eager.h), which publishes its call in its own slots:
+  // ensureLocal creates the intra-node slots (collective; cheap mode) and then runs
+  // `after_local_init`, so both paths create their buffers in the same order;
+  // peekLocal reads `peer`'s slot of collective `seq` (false if not published there);
+  // noteSkipped advances this rank's progress past a collective checked elsewhere; the
+  // probe tells a waiting check that `peer` published `seq` on the eager path instead
+  // (a mismatch, reported rather than waited out).
+  using PeerProbe = std::function<bool(int peer, uint64_t seq, CallSignature* out)>;
+  void setLocalHooks(std::function<void()> after_local_init, PeerProbe probe) {
+    after_local_init_ = std::move(after_local_init);
+    peer_probe_ = std::move(probe);
+  }
+  void ensureLocal(const std::shared_ptr<Communicator>& comm);
+  bool peekLocal(int peer, uint64_t seq, CallSignature* out) const;
+  void noteSkipped(uint64_t seq);
+
  private:
   // Cheap mode within one node; returns every rank's call.
   std::vector<CallSignature> exchangeLocal(const std::shared_ptr<Communicator>& comm,
@@ -97,6 +114,8 @@ class CallChecker {
   symm::SymmetricHeap heap_;  // cheap mode, one node: created at the first check
   std::shared_ptr<symm::SymmetricBuffer> slots_;
   uint64_t local_checks_ = 0;  // signals consumed from each peer so far
+  std::function<void()> after_local_init_;
+  PeerProbe peer_probe_;
 };
 
 // The check of stream-ordered calls (CudaCollectives), run on the calling thread at
