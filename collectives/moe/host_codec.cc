@@ -2,6 +2,15 @@
 
 #include <array>
 #include <cstring>
+#include <string>
+
+#include "comm/env.h"
+#include "comm/errors.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define CROSSBAR_HOST_CODEC_HAVE_AVX2 1
+#endif
 
 namespace crossbar::moe {
 namespace {
@@ -18,6 +27,9 @@ const Tables& tables() {
   static const Tables t;
   return t;
 }
+
+// ==== scalar (portable; the fallback, and the reference the SIMD path is tested against) ====
+namespace scalar {
 
 template <class T>
 void scaleBlock(const float* lut, const uint8_t* q, int count, float scale, T* out) {
@@ -87,11 +99,9 @@ void e4m3Block(const T* __restrict x, int count, float div, float mul, uint8_t* 
   for (int i = 0; i < count; ++i) q[i] = static_cast<uint8_t>(codes[i]);
 }
 
-}  // namespace
-
 template <class T>
-void encodeRowHost(PayloadCodec codec, const T* x, size_t hidden, uint8_t* payload, void* scales,
-                   float global_scale) {
+void encodeRow(PayloadCodec codec, const T* x, size_t hidden, uint8_t* payload, void* scales,
+               float global_scale) {
   switch (codec) {
     case PayloadCodec::kFp8Block128: {
       auto* s = static_cast<float*>(scales);
@@ -112,10 +122,7 @@ void encodeRowHost(PayloadCodec codec, const T* x, size_t hidden, uint8_t* paylo
           continue;
         }
         // mxfp8Encode's exact multiply by 2^(127 - scale).
-        float inv;
-        const uint32_t inv_bits = static_cast<uint32_t>(254 - s[b]) << 23;
-        std::memcpy(&inv, &inv_bits, 4);
-        e4m3Block(x + i, count, 1.0f, inv, payload + i);
+        e4m3Block(x + i, count, 1.0f, asFloat(static_cast<uint32_t>(254 - s[b]) << 23), payload + i);
       }
       return;
     }
@@ -124,12 +131,9 @@ void encodeRowHost(PayloadCodec codec, const T* x, size_t hidden, uint8_t* paylo
   }
 }
 
-template void encodeRowHost<float>(PayloadCodec, const float*, size_t, uint8_t*, void*, float);
-template void encodeRowHost<BFloat16>(PayloadCodec, const BFloat16*, size_t, uint8_t*, void*, float);
-
 template <class T>
-void decodeRowHost(PayloadCodec codec, const uint8_t* payload, const void* scales, size_t hidden, T* out,
-                   float global_scale) {
+void decodeRow(PayloadCodec codec, const uint8_t* payload, const void* scales, size_t hidden, T* out,
+               float global_scale) {
   const Tables& t = tables();
   switch (codec) {
     case PayloadCodec::kFp8Block128: {
@@ -163,7 +167,444 @@ void decodeRowHost(PayloadCodec codec, const uint8_t* payload, const void* scale
   }
 }
 
-template void decodeRowHost<float>(PayloadCodec, const uint8_t*, const void*, size_t, float*, float);
-template void decodeRowHost<BFloat16>(PayloadCodec, const uint8_t*, const void*, size_t, BFloat16*, float);
+template <class T>
+BlockAmax tensorAmax(const T* x, size_t n) {
+  BlockAmax r;
+  for (size_t i = 0; i < n; i += 4096)
+    r = mergeAmax(r, amaxOf(x + i, static_cast<int>(n - i < 4096 ? n - i : 4096)));
+  return r;
+}
+
+}  // namespace scalar
+
+// ==== AVX2 =====================================================================================
+// The scalar formulas above, eight binary32 lanes at a time. Every step is either an integer
+// operation or one IEEE operation (division, multiply, add) that SIMD rounds exactly as
+// scalar code does under the same MXCSR, so the bytes are the scalar path's. Blocks are
+// processed in full vectors; a block's tail (fewer than 8 elements) is copied into a
+// zero-padded vector (zeros change neither an amax nor the other lanes' codes) and only its
+// real elements are stored.
+#if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
+namespace avx2 {
+
+#define CROSSBAR_AVX2 __attribute__((target("avx2")))
+
+CROSSBAR_AVX2 inline __m256i set1(uint32_t v) {
+  return _mm256_set1_epi32(static_cast<int>(v));
+}
+
+// Eight elements' binary32 bits; `n` < 8 reads only n of them and zero-fills the rest.
+CROSSBAR_AVX2 inline __m256i bits8(const float* x) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+}
+CROSSBAR_AVX2 inline __m256i bits8(const BFloat16* x) {
+  return _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16);
+}
+template <class T>
+CROSSBAR_AVX2 inline __m256i bits8(const T* x, int n) {
+  if (n >= 8) return bits8(x);
+  T tmp[8];
+  std::memset(tmp, 0, sizeof tmp);
+  std::memcpy(tmp, x, sizeof(T) * static_cast<size_t>(n));
+  return bits8(tmp);
+}
+
+// scalar::amaxOf: max of the finite magnitudes' bits (signed max is fine: < 2^31), and
+// whether a lane held a NaN or Inf.
+template <class T>
+CROSSBAR_AVX2 BlockAmax amaxOf(const T* x, int count) {
+  const __m256i abs_mask = set1(0x7FFFFFFFu), below_inf = set1(0x7F7FFFFFu);
+  __m256i amax0 = _mm256_setzero_si256(), amax1 = amax0, bad = amax0;
+  int i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256i a0 = _mm256_and_si256(bits8(x + i), abs_mask);
+    const __m256i a1 = _mm256_and_si256(bits8(x + i + 8), abs_mask);
+    const __m256i nf0 = _mm256_cmpgt_epi32(a0, below_inf), nf1 = _mm256_cmpgt_epi32(a1, below_inf);
+    bad = _mm256_or_si256(bad, _mm256_or_si256(nf0, nf1));
+    amax0 = _mm256_max_epi32(amax0, _mm256_andnot_si256(nf0, a0));
+    amax1 = _mm256_max_epi32(amax1, _mm256_andnot_si256(nf1, a1));
+  }
+  for (; i < count; i += 8) {
+    const __m256i a = _mm256_and_si256(bits8(x + i, count - i), abs_mask);
+    const __m256i nf = _mm256_cmpgt_epi32(a, below_inf);
+    bad = _mm256_or_si256(bad, nf);
+    amax0 = _mm256_max_epi32(amax0, _mm256_andnot_si256(nf, a));
+  }
+  __m256i m = _mm256_max_epi32(amax0, amax1);
+  __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  return BlockAmax{scalar::asFloat(static_cast<uint32_t>(_mm_cvtsi128_si32(h))),
+                   _mm256_movemask_epi8(bad) != 0};
+}
+
+// scalar::e4m3Block's code for eight already-scaled values (32-bit lanes, 0..255).
+CROSSBAR_AVX2 inline __m256i e4m3Codes(__m256 v) {
+  const __m256i vb = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(vb, 24), set1(0x80u));
+  const __m256i a = _mm256_and_si256(vb, set1(0x7FFFFFFFu));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(a, 20), set1(1u));
+  const __m256i normal = _mm256_sub_epi32(
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, set1(0x7FFFFu)), lsb), 20), set1(120u << 3));
+  const __m256i sub =
+      _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(16384.0f))),
+                       set1(0x46800000u));
+  const __m256i is_sub = _mm256_cmpgt_epi32(set1(121u << 23), a);
+  __m256i code = _mm256_blendv_epi8(normal, sub, is_sub);
+  code = _mm256_min_epu32(code, set1(0x7Eu));  // saturate (Inf included)
+  const __m256i is_nan = _mm256_cmpgt_epi32(a, set1(0x7F800000u));
+  code = _mm256_or_si256(code, _mm256_and_si256(is_nan, set1(0x7Fu)));  // code <= 0x7E: or gives 0x7F
+  return _mm256_or_si256(sign, code);
+}
+
+// Low bytes of four vectors of 32-bit codes (each 0..255), in element order.
+CROSSBAR_AVX2 inline __m256i narrow32(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+// Low bytes of one vector of 32-bit codes: 8 bytes in element order.
+CROSSBAR_AVX2 inline uint64_t narrow8(__m256i c) {
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c, c), c);  // lane k: bytes 0..3 = c[4k..4k+3]
+  const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(lo)) |
+         static_cast<uint64_t>(static_cast<uint32_t>(_mm_cvtsi128_si32(hi))) << 32;
+}
+
+// E4M3 codes of x / div (div != 1) or x * mul (div == 1), like scalar::e4m3Block.
+template <class T>
+CROSSBAR_AVX2 inline __m256 scaled(const T* x, int n, __m256 div, __m256 mul, bool divide) {
+  const __m256 v = _mm256_castsi256_ps(bits8(x, n));
+  return divide ? _mm256_div_ps(v, div) : _mm256_mul_ps(v, mul);
+}
+
+template <class T>
+CROSSBAR_AVX2 void e4m3Block(const T* x, int count, float div, float mul, uint8_t* q) {
+  const bool divide = mul == 1.0f;  // fp8 block-128 divides (x * 1 == x), MXFP8 multiplies
+  const __m256 vd = _mm256_set1_ps(div), vm = _mm256_set1_ps(mul);
+  int i = 0;
+  for (; i + 32 <= count; i += 32) {
+    const __m256i c0 = e4m3Codes(scaled(x + i, 8, vd, vm, divide));
+    const __m256i c1 = e4m3Codes(scaled(x + i + 8, 8, vd, vm, divide));
+    const __m256i c2 = e4m3Codes(scaled(x + i + 16, 8, vd, vm, divide));
+    const __m256i c3 = e4m3Codes(scaled(x + i + 24, 8, vd, vm, divide));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), narrow32(c0, c1, c2, c3));
+  }
+  for (; i < count; i += 8) {
+    const int n = count - i < 8 ? count - i : 8;
+    const uint64_t bytes = narrow8(e4m3Codes(scaled(x + i, n, vd, vm, divide)));
+    std::memcpy(q + i, &bytes, static_cast<size_t>(n));
+  }
+}
+
+// floatToE2M1Bits of eight values (32-bit lanes, 0..15): |v| >= 1 rounds with
+// roundMagnitude's constant shift (2 codes per binade), below 1 by adding 2^22 (ulp 0.5,
+// E2M1's subnormal quantum); NaN gives +6 (code 7, no sign) as the shared encoder does.
+CROSSBAR_AVX2 inline __m256i e2m1Codes(__m256 v) {
+  const __m256i vb = _mm256_castps_si256(v);
+  const __m256i a = _mm256_and_si256(vb, set1(0x7FFFFFFFu));
+  const __m256i is_nan = _mm256_cmpgt_epi32(a, set1(0x7F800000u));
+  const __m256i sign = _mm256_andnot_si256(is_nan, _mm256_and_si256(_mm256_srli_epi32(vb, 28), set1(0x8u)));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(a, 22), set1(1u));
+  const __m256i normal = _mm256_sub_epi32(
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, set1(0x1FFFFFu)), lsb), 22), set1(252u));
+  const __m256i sub =
+      _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(4194304.0f))),
+                       set1(0x4A800000u));
+  const __m256i is_sub = _mm256_cmpgt_epi32(set1(0x3F800000u), a);
+  __m256i code = _mm256_blendv_epi8(normal, sub, is_sub);
+  code = _mm256_min_epu32(code, set1(0x7u));  // saturate (Inf included); NaN: 7
+  return _mm256_or_si256(sign, code);
+}
+
+// One NVFP4 block (count <= 16): scale byte, and (count + 1) / 2 packed bytes, low nibble
+// first, like nvfp4Quantize.
+template <class T>
+CROSSBAR_AVX2 uint8_t nvfp4Block(const T* x, int count, float global_scale, uint8_t* packed) {
+  const uint8_t scale = nvfp4BlockScale(amaxOf(x, count), global_scale);
+  const float d = nvfp4Divisor(scale, global_scale);
+  const size_t bytes = static_cast<size_t>(count + 1) / 2;
+  if (!(d > 0.0f) || !isFiniteFloat(d)) {  // nvfp4Encode: every element 0
+    std::memset(packed, 0, bytes);
+    return scale;
+  }
+  const __m256 vd = _mm256_set1_ps(d);
+  const __m256i c0 = e2m1Codes(_mm256_div_ps(_mm256_castsi256_ps(bits8(x, count)), vd));
+  const __m256i c1 = count > 8 ? e2m1Codes(_mm256_div_ps(_mm256_castsi256_ps(bits8(x + 8, count - 8)), vd))
+                               : _mm256_setzero_si256();
+  // 16 code bytes, then byte pairs (2j, 2j+1) as 16-bit lanes -> lo | hi << 4.
+  const __m256i b = narrow32(c0, c1, c0, c1);
+  const __m128i w = _mm256_castsi256_si128(b);
+  const __m128i nib = _mm_or_si128(_mm_and_si128(w, _mm_set1_epi16(0x0F)),
+                                   _mm_and_si128(_mm_srli_epi16(w, 4), _mm_set1_epi16(0xF0)));
+  const uint64_t out = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(nib, nib)));
+  std::memcpy(packed, &out, bytes);
+  return scale;
+}
+
+template <class T>
+CROSSBAR_AVX2 void encodeRow(PayloadCodec codec, const T* x, size_t hidden, uint8_t* payload, void* scales,
+                             float global_scale) {
+  switch (codec) {
+    case PayloadCodec::kFp8Block128: {
+      auto* s = static_cast<float*>(scales);
+      for (size_t b = 0, i = 0; i < hidden; ++b, i += kFp8BlockSize) {
+        const int count = blockCount(hidden, i, kFp8BlockSize);
+        s[b] = fp8BlockScale(amaxOf(x + i, count));
+        e4m3Block(x + i, count, s[b], 1.0f, payload + i);
+      }
+      return;
+    }
+    case PayloadCodec::kMxfp8: {
+      auto* s = static_cast<uint8_t*>(scales);
+      for (size_t b = 0, i = 0; i < hidden; ++b, i += kMxBlockSize) {
+        const int count = blockCount(hidden, i, kMxBlockSize);
+        s[b] = mxfp8Scale(amaxOf(x + i, count));
+        if (s[b] == 0xFFu) {
+          std::memset(payload + i, 0x7F, static_cast<size_t>(count));
+          continue;
+        }
+        // mxfp8Encode's exact multiply by 2^(127 - scale) (e4m3Block divides only when the
+        // factor is 1, which gives the same result).
+        e4m3Block(x + i, count, 1.0f, scalar::asFloat(static_cast<uint32_t>(254 - s[b]) << 23), payload + i);
+      }
+      return;
+    }
+    case PayloadCodec::kNvfp4: {
+      auto* s = static_cast<uint8_t*>(scales);
+      for (size_t b = 0, i = 0; i < hidden; ++b, i += kNvfp4BlockSize)
+        s[b] = nvfp4Block(x + i, blockCount(hidden, i, kNvfp4BlockSize), global_scale, payload + i / 2);
+      return;
+    }
+    default:
+      scalar::encodeRow(codec, x, hidden, payload, scales, global_scale);
+  }
+}
+
+// e4m3BitsToFloat of eight codes (32-bit lanes): normal codes rebias their bits, subnormal
+// ones are mant * 2^-9 (an exact product), S.1111.111 is NaN.
+CROSSBAR_AVX2 inline __m256 e4m3Values(__m256i q) {
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(q, set1(0x80u)), 24);
+  const __m256i mag = _mm256_and_si256(q, set1(0x7Fu));
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), set1(120u << 23));
+  const __m256i sub = _mm256_castps_si256(
+      _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(mag, set1(7u))), _mm256_set1_ps(1.0f / 512.0f)));
+  const __m256i is_sub = _mm256_cmpgt_epi32(set1(8u), mag);
+  __m256i v = _mm256_blendv_epi8(normal, sub, is_sub);
+  v = _mm256_blendv_epi8(v, set1(0x7FC00000u), _mm256_cmpeq_epi32(mag, set1(0x7Fu)));
+  return _mm256_castsi256_ps(_mm256_or_si256(v, sign));
+}
+
+// floatToBFloat16Bits (kNo) of eight values, in 32-bit lanes.
+CROSSBAR_AVX2 inline __m256i bf16Bits(__m256 f) {
+  const __m256i b = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), set1(1u));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, set1(0x7FFFu)), lsb), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(b, 16), set1(0x40u));
+  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, set1(0x7FFFFFFFu)), set1(0x7F800000u));
+  return _mm256_blendv_epi8(rounded, quiet, is_nan);
+}
+
+// Stores eight values as T; n < 8 stores the first n.
+CROSSBAR_AVX2 inline void store8(float* out, __m256 v, int n) {
+  if (n >= 8) {
+    _mm256_storeu_ps(out, v);
+    return;
+  }
+  float tmp[8];
+  _mm256_storeu_ps(tmp, v);
+  std::memcpy(out, tmp, sizeof(float) * static_cast<size_t>(n));
+}
+CROSSBAR_AVX2 inline void store8(BFloat16* out, __m256 v, int n) {
+  const __m256i h = bf16Bits(v);
+  const __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  if (n >= 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), p);
+    return;
+  }
+  uint16_t tmp[8];
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), p);
+  std::memcpy(out, tmp, 2 * static_cast<size_t>(n));
+}
+
+// Eight code bytes widened to 32-bit lanes; n < 8 reads n.
+CROSSBAR_AVX2 inline __m256i codes8(const uint8_t* q, int n) {
+  uint64_t v = 0;
+  std::memcpy(&v, q, n >= 8 ? 8 : static_cast<size_t>(n));
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(v)));
+}
+
+template <class T>
+CROSSBAR_AVX2 void e4m3Decode(const uint8_t* q, int count, float scale, T* out) {
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int i = 0; i < count; i += 8) {
+    const int n = count - i < 8 ? count - i : 8;
+    store8(out + i, _mm256_mul_ps(e4m3Values(codes8(q + i, n)), s), n);
+  }
+}
+
+// `values`: e2m1BitsToFloat of the magnitudes 0..7, picked per lane; the sign goes on as a bit.
+template <class T>
+CROSSBAR_AVX2 void nvfp4Decode(const uint8_t* packed, int count, float d, __m256 values, T* out) {
+  const __m256 vd = _mm256_set1_ps(d);
+  uint64_t raw = 0;
+  std::memcpy(&raw, packed, static_cast<size_t>(count + 1) / 2);
+  const __m128i b = _mm_cvtsi64_si128(static_cast<long long>(raw));
+  const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+  const __m128i codes = _mm_unpacklo_epi8(lo, hi);  // element order
+  for (int half = 0; half * 8 < count; ++half) {
+    const __m256i c = _mm256_cvtepu8_epi32(half == 0 ? codes : _mm_srli_si128(codes, 8));
+    const __m256 mag = _mm256_permutevar8x32_ps(values, c);  // uses the low 3 bits
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, set1(0x8u)), 28);
+    const __m256 v = _mm256_or_ps(mag, _mm256_castsi256_ps(sign));
+    const int n = count - half * 8 < 8 ? count - half * 8 : 8;
+    store8(out + half * 8, _mm256_mul_ps(v, vd), n);
+  }
+}
+
+template <class T>
+CROSSBAR_AVX2 void decodeRow(PayloadCodec codec, const uint8_t* payload, const void* scales, size_t hidden,
+                             T* out, float global_scale) {
+  switch (codec) {
+    case PayloadCodec::kFp8Block128: {
+      const auto* s = static_cast<const float*>(scales);
+      for (size_t b = 0, i = 0; i < hidden; ++b, i += kFp8BlockSize)
+        e4m3Decode(payload + i, blockCount(hidden, i, kFp8BlockSize), s[b], out + i);
+      return;
+    }
+    case PayloadCodec::kMxfp8: {
+      const auto* s = static_cast<const uint8_t*>(scales);
+      for (size_t b = 0, i = 0; i < hidden; ++b, i += kMxBlockSize)
+        e4m3Decode(payload + i, blockCount(hidden, i, kMxBlockSize), e8m0BitsToFloat(s[b]), out + i);
+      return;
+    }
+    case PayloadCodec::kNvfp4: {
+      const auto* s = static_cast<const uint8_t*>(scales);
+      const __m256 values = _mm256_loadu_ps(tables().e2m1.data());
+      for (size_t b = 0, i = 0; i < hidden; ++b, i += kNvfp4BlockSize)
+        nvfp4Decode(payload + i / 2, blockCount(hidden, i, kNvfp4BlockSize), nvfp4Divisor(s[b], global_scale),
+                    values, out + i);
+      return;
+    }
+    default:
+      scalar::decodeRow(codec, payload, scales, hidden, out, global_scale);
+  }
+}
+
+template <class T>
+CROSSBAR_AVX2 BlockAmax tensorAmax(const T* x, size_t n) {
+  BlockAmax r;
+  for (size_t i = 0; i < n; i += 4096)
+    r = mergeAmax(r, amaxOf(x + i, static_cast<int>(n - i < 4096 ? n - i : 4096)));
+  return r;
+}
+
+#undef CROSSBAR_AVX2
+}  // namespace avx2
+#endif  // CROSSBAR_HOST_CODEC_HAVE_AVX2
+
+HostCodecIsa selectIsa() {
+  const std::string want = env::getEnum("CROSSBAR_MOE_HOST_CODEC");
+  if (want == "scalar") return HostCodecIsa::kScalar;
+  const bool avx2 = hostCodecIsaSupported(HostCodecIsa::kAvx2);
+  if (want == "avx2" && !avx2)
+    throw InvalidArgument(
+        "moe host codec: CROSSBAR_MOE_HOST_CODEC=avx2 but this CPU (or build) has no AVX2; unset it or use "
+        "'scalar'");
+  return avx2 ? HostCodecIsa::kAvx2 : HostCodecIsa::kScalar;
+}
+
+void requireSupported(HostCodecIsa isa) {
+  if (!hostCodecIsaSupported(isa))
+    throw InvalidArgument(std::string("moe host codec: ") + hostCodecIsaName(isa) +
+                          " requested but this CPU (or build) does not support it");
+}
+
+}  // namespace
+
+const char* hostCodecIsaName(HostCodecIsa isa) {
+  return isa == HostCodecIsa::kAvx2 ? "avx2" : "scalar";
+}
+
+bool hostCodecIsaSupported(HostCodecIsa isa) {
+  if (isa == HostCodecIsa::kScalar) return true;
+#if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
+  return __builtin_cpu_supports("avx2");
+#else
+  return false;
+#endif
+}
+
+HostCodecIsa hostCodecIsa() {
+  static const HostCodecIsa isa = selectIsa();
+  return isa;
+}
+
+template <class T>
+void encodeRowHost(HostCodecIsa isa, PayloadCodec codec, const T* x, size_t hidden, uint8_t* payload,
+                   void* scales, float global_scale) {
+#if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
+  if (isa == HostCodecIsa::kAvx2) {
+    requireSupported(isa);
+    return avx2::encodeRow(codec, x, hidden, payload, scales, global_scale);
+  }
+#endif
+  requireSupported(isa);
+  scalar::encodeRow(codec, x, hidden, payload, scales, global_scale);
+}
+
+template <class T>
+void encodeRowHost(PayloadCodec codec, const T* x, size_t hidden, uint8_t* payload, void* scales,
+                   float global_scale) {
+  encodeRowHost(hostCodecIsa(), codec, x, hidden, payload, scales, global_scale);
+}
+
+template <class T>
+void decodeRowHost(HostCodecIsa isa, PayloadCodec codec, const uint8_t* payload, const void* scales,
+                   size_t hidden, T* out, float global_scale) {
+#if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
+  if (isa == HostCodecIsa::kAvx2) {
+    requireSupported(isa);
+    return avx2::decodeRow(codec, payload, scales, hidden, out, global_scale);
+  }
+#endif
+  requireSupported(isa);
+  scalar::decodeRow(codec, payload, scales, hidden, out, global_scale);
+}
+
+template <class T>
+void decodeRowHost(PayloadCodec codec, const uint8_t* payload, const void* scales, size_t hidden, T* out,
+                   float global_scale) {
+  decodeRowHost(hostCodecIsa(), codec, payload, scales, hidden, out, global_scale);
+}
+
+template <class T>
+BlockAmax tensorAmaxHost(HostCodecIsa isa, const T* x, size_t n) {
+#if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
+  if (isa == HostCodecIsa::kAvx2) {
+    requireSupported(isa);
+    return avx2::tensorAmax(x, n);
+  }
+#endif
+  requireSupported(isa);
+  return scalar::tensorAmax(x, n);
+}
+
+template <class T>
+BlockAmax tensorAmaxHost(const T* x, size_t n) {
+  return tensorAmaxHost(hostCodecIsa(), x, n);
+}
+
+#define CROSSBAR_HOST_CODEC_INSTANTIATE(T)                                                              \
+  template void encodeRowHost<T>(PayloadCodec, const T*, size_t, uint8_t*, void*, float);               \
+  template void encodeRowHost<T>(HostCodecIsa, PayloadCodec, const T*, size_t, uint8_t*, void*, float); \
+  template void decodeRowHost<T>(PayloadCodec, const uint8_t*, const void*, size_t, T*, float);         \
+  template void decodeRowHost<T>(HostCodecIsa, PayloadCodec, const uint8_t*, const void*, size_t, T*,   \
+                                 float);                                                                \
+  template BlockAmax tensorAmaxHost<T>(const T*, size_t);                                               \
+  template BlockAmax tensorAmaxHost<T>(HostCodecIsa, const T*, size_t);
+CROSSBAR_HOST_CODEC_INSTANTIATE(float)
+CROSSBAR_HOST_CODEC_INSTANTIATE(BFloat16)
+#undef CROSSBAR_HOST_CODEC_INSTANTIATE
 
 }  // namespace crossbar::moe

@@ -1,10 +1,19 @@
-// Table-driven host decode of quantized MoE payload rows (fp8 block-128, MXFP8, NVFP4).
-// Same math as collectives/quant.h's dequantizeRow: the element code's value comes from a
-// table of the shared decoder (e4m3BitsToFloat / e2m1BitsToFloat), times the same block
-// scale, then the same rounding to T, so the bytes are identical (test_moe_host_codec
-// checks every code against dequantizeRow), except which NaN a NaN code times a NaN scale
-// gives (a product's operand order is the compiler's choice; the GPU gives its canonical NaN). The scalar decoder rebuilds each element's
-// float from its bits; the table makes decode a load and a multiply per element.
+// Host encode/decode of quantized MoE payload rows (fp8 block-128, MXFP8, NVFP4): the bytes
+// of collectives/quant.h's quantizeRow / dequantizeRow, faster.
+//
+// Two implementations, picked once per process (hostCodecIsa()):
+//   scalar  portable C++ (the fallback, and the reference the SIMD path is tested against):
+//           encode rounds with lane-parallel selects the compiler vectorizes; decode reads
+//           each element code's value from a table of the shared decoder.
+//   avx2    the same formulas in AVX2 intrinsics (function-level target attribute, chosen at
+//           run time with __builtin_cpu_supports), NVFP4 encode included.
+// CROSSBAR_MOE_HOST_CODEC=scalar forces the scalar path (for comparison); auto (default)
+// takes avx2 where the CPU has it.
+//
+// Encode output is bit-identical to quantizeRow for every input (NaN, Inf, subnormals,
+// saturation, ties); decode is bit-identical to dequantizeRow except which NaN a NaN code
+// times a NaN block scale gives (a product's operand order is the compiler's choice; the
+// GPU gives its canonical NaN). test_quant_simd and test_moe_host_codec check this.
 #pragma once
 
 #include <cstddef>
@@ -15,17 +24,39 @@
 
 namespace crossbar::moe {
 
+enum class HostCodecIsa { kScalar, kAvx2 };
+
+const char* hostCodecIsaName(HostCodecIsa isa);
+// Whether this build and CPU can run `isa` (kScalar always).
+bool hostCodecIsaSupported(HostCodecIsa isa);
+// The implementation the overloads without an isa use: CROSSBAR_MOE_HOST_CODEC, else the
+// best supported (read once; InvalidArgument if the variable asks for an unsupported one).
+HostCodecIsa hostCodecIsa();
+
 // codec: kFp8Block128, kMxfp8 or kNvfp4 (others: dequantizeRow). T: float or BFloat16.
 template <class T>
 void decodeRowHost(PayloadCodec codec, const uint8_t* payload, const void* scales, size_t hidden, T* out,
                    float global_scale);
 
-// Host encode of one row, the bytes of quantizeRow (checked on every bf16 input pattern by
-// test_moe_host_codec). fp8 block-128 and MXFP8 round with lane-parallel selects instead of
-// the shared per-element branch (a target subnormal rounds with an exact float addition at
-// its quantum), so the compiler vectorizes the loop; kNvfp4 uses quantizeRow.
+// Host encode of one row, the bytes of quantizeRow (scales: scaleBytes(codec, hidden) bytes,
+// 4-byte aligned for kFp8Block128; global_scale: kNvfp4's nvfp4GlobalScale).
 template <class T>
 void encodeRowHost(PayloadCodec codec, const T* x, size_t hidden, uint8_t* payload, void* scales,
                    float global_scale);
+
+// blockAmax over n values (for nvfp4GlobalScale of a whole tensor), same result.
+template <class T>
+BlockAmax tensorAmaxHost(const T* x, size_t n);
+
+// The same with an explicit implementation (tests, benchmarks); InvalidArgument if
+// !hostCodecIsaSupported(isa).
+template <class T>
+void decodeRowHost(HostCodecIsa isa, PayloadCodec codec, const uint8_t* payload, const void* scales,
+                   size_t hidden, T* out, float global_scale);
+template <class T>
+void encodeRowHost(HostCodecIsa isa, PayloadCodec codec, const T* x, size_t hidden, uint8_t* payload,
+                   void* scales, float global_scale);
+template <class T>
+BlockAmax tensorAmaxHost(HostCodecIsa isa, const T* x, size_t n);
 
 }  // namespace crossbar::moe
