@@ -175,6 +175,18 @@ BlockAmax tensorAmax(const T* x, size_t n) {
   return r;
 }
 
+template <class T>
+void scaleRow(float* __restrict out, const T* __restrict y, float w, size_t n) {
+  for (size_t c = 0; c < n; ++c) out[c] = toFloat(y[c]) * w;
+}
+template <class T>
+void addRow(float* __restrict acc, const T* __restrict x, size_t n) {
+  for (size_t c = 0; c < n; ++c) acc[c] += toFloat(x[c]);
+}
+inline void roundRow(BFloat16* __restrict out, const float* __restrict x, size_t n) {
+  for (size_t c = 0; c < n; ++c) out[c] = BFloat16::fromFloat(x[c]);
+}
+
 }  // namespace scalar
 
 // ==== AVX2 =====================================================================================
@@ -499,6 +511,26 @@ CROSSBAR_AVX2 BlockAmax tensorAmax(const T* x, size_t n) {
   return r;
 }
 
+template <class T>
+CROSSBAR_AVX2 void scaleRow(float* out, const T* y, float w, size_t n) {
+  const __m256 vw = _mm256_set1_ps(w);
+  size_t c = 0;
+  for (; c + 8 <= n; c += 8) _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_castsi256_ps(bits8(y + c)), vw));
+  scalar::scaleRow(out + c, y + c, w, n - c);
+}
+template <class T>
+CROSSBAR_AVX2 void addRow(float* acc, const T* x, size_t n) {
+  size_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    _mm256_storeu_ps(acc + c, _mm256_add_ps(_mm256_loadu_ps(acc + c), _mm256_castsi256_ps(bits8(x + c))));
+  scalar::addRow(acc + c, x + c, n - c);
+}
+CROSSBAR_AVX2 void roundRow(BFloat16* out, const float* x, size_t n) {
+  size_t c = 0;
+  for (; c + 8 <= n; c += 8) store8(out + c, _mm256_loadu_ps(x + c), 8);
+  scalar::roundRow(out + c, x + c, n - c);
+}
+
 #undef CROSSBAR_AVX2
 }  // namespace avx2
 #endif  // CROSSBAR_HOST_CODEC_HAVE_AVX2
@@ -595,6 +627,43 @@ BlockAmax tensorAmaxHost(const T* x, size_t n) {
   return tensorAmaxHost(hostCodecIsa(), x, n);
 }
 
+template <class T>
+void scaleRowHost(HostCodecIsa isa, float* out, const T* y, float w, size_t n) {
+  requireSupported(isa);
+#if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
+  if (isa == HostCodecIsa::kAvx2) return avx2::scaleRow(out, y, w, n);
+#endif
+  scalar::scaleRow(out, y, w, n);
+}
+template <class T>
+void scaleRowHost(float* out, const T* y, float w, size_t n) {
+  scaleRowHost(hostCodecIsa(), out, y, w, n);
+}
+
+template <class T>
+void addRowHost(HostCodecIsa isa, float* acc, const T* x, size_t n) {
+  requireSupported(isa);
+#if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
+  if (isa == HostCodecIsa::kAvx2) return avx2::addRow(acc, x, n);
+#endif
+  scalar::addRow(acc, x, n);
+}
+template <class T>
+void addRowHost(float* acc, const T* x, size_t n) {
+  addRowHost(hostCodecIsa(), acc, x, n);
+}
+
+void roundRowHost(HostCodecIsa isa, BFloat16* out, const float* x, size_t n) {
+  requireSupported(isa);
+#if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
+  if (isa == HostCodecIsa::kAvx2) return avx2::roundRow(out, x, n);
+#endif
+  scalar::roundRow(out, x, n);
+}
+void roundRowHost(BFloat16* out, const float* x, size_t n) {
+  roundRowHost(hostCodecIsa(), out, x, n);
+}
+
 #define CROSSBAR_HOST_CODEC_INSTANTIATE(T)                                                              \
   template void encodeRowHost<T>(PayloadCodec, const T*, size_t, uint8_t*, void*, float);               \
   template void encodeRowHost<T>(HostCodecIsa, PayloadCodec, const T*, size_t, uint8_t*, void*, float); \
@@ -602,7 +671,11 @@ BlockAmax tensorAmaxHost(const T* x, size_t n) {
   template void decodeRowHost<T>(HostCodecIsa, PayloadCodec, const uint8_t*, const void*, size_t, T*,   \
                                  float);                                                                \
   template BlockAmax tensorAmaxHost<T>(const T*, size_t);                                               \
-  template BlockAmax tensorAmaxHost<T>(HostCodecIsa, const T*, size_t);
+  template BlockAmax tensorAmaxHost<T>(HostCodecIsa, const T*, size_t);                                 \
+  template void scaleRowHost<T>(float*, const T*, float, size_t);                                       \
+  template void scaleRowHost<T>(HostCodecIsa, float*, const T*, float, size_t);                         \
+  template void addRowHost<T>(float*, const T*, size_t);                                                \
+  template void addRowHost<T>(HostCodecIsa, float*, const T*, size_t);
 CROSSBAR_HOST_CODEC_INSTANTIATE(float)
 CROSSBAR_HOST_CODEC_INSTANTIATE(BFloat16)
 #undef CROSSBAR_HOST_CODEC_INSTANTIATE

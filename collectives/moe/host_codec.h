@@ -48,6 +48,18 @@ void encodeRowHost(PayloadCodec codec, const T* x, size_t hidden, uint8_t* paylo
 template <class T>
 BlockAmax tensorAmaxHost(const T* x, size_t n);
 
+// Row kernels of MoE combine, same results as the plain loops they replace (each element's
+// operations and their order are the loop's; no fused multiply-add):
+//   scaleRowHost  out[c] = toFloat(y[c]) * w
+//   addRowHost    acc[c] += toFloat(x[c])
+//   roundRowHost  out[c] = BFloat16::fromFloat(x[c])
+// (moe.cc is built -O2, where GCC 12 leaves those loops scalar.)
+template <class T>
+void scaleRowHost(float* out, const T* y, float w, size_t n);
+template <class T>
+void addRowHost(float* acc, const T* x, size_t n);
+void roundRowHost(BFloat16* out, const float* x, size_t n);
+
 // The same with an explicit implementation (tests, benchmarks); InvalidArgument if
 // !hostCodecIsaSupported(isa).
 template <class T>
@@ -58,5 +70,10 @@ void encodeRowHost(HostCodecIsa isa, PayloadCodec codec, const T* x, size_t hidd
                    void* scales, float global_scale);
 template <class T>
 BlockAmax tensorAmaxHost(HostCodecIsa isa, const T* x, size_t n);
+template <class T>
+void scaleRowHost(HostCodecIsa isa, float* out, const T* y, float w, size_t n);
+template <class T>
+void addRowHost(HostCodecIsa isa, float* acc, const T* x, size_t n);
+void roundRowHost(HostCodecIsa isa, BFloat16* out, const float* x, size_t n);
 
 }  // namespace crossbar::moe

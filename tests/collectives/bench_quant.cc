@@ -112,6 +112,30 @@ void benchType(const char* tname, size_t hidden, size_t rows, int reps) {
   }
 }
 
+// Combine's row kernels (addRowHost, scaleRowHost, roundRowHost), scalar vs avx2.
+void benchCombine(size_t hidden, size_t rows, int reps) {
+  if (!moe::hostCodecIsaSupported(HostCodecIsa::kAvx2)) return;
+  const size_t n = hidden * rows;
+  std::vector<float> acc(n, 1.0f), x(n, 0.5f);
+  std::vector<BFloat16> xb(n, BFloat16::fromFloat(0.25f)), out16(n);
+  for (HostCodecIsa isa : {HostCodecIsa::kScalar, HostCodecIsa::kAvx2}) {
+    double add32 = 1e30, add16 = 1e30, scale16 = 1e30, round16 = 1e30;
+    for (int round = 0; round < 3; ++round) {
+      add32 =
+          std::min(add32, bestNsPerElement([&] { moe::addRowHost(isa, acc.data(), x.data(), n); }, n, reps));
+      add16 =
+          std::min(add16, bestNsPerElement([&] { moe::addRowHost(isa, acc.data(), xb.data(), n); }, n, reps));
+      scale16 = std::min(
+          scale16,
+          bestNsPerElement([&] { moe::scaleRowHost(isa, acc.data(), xb.data(), 0.5f, n); }, n, reps));
+      round16 = std::min(
+          round16, bestNsPerElement([&] { moe::roundRowHost(isa, out16.data(), acc.data(), n); }, n, reps));
+    }
+    std::printf("combine %-6s add f32 %5.2f  add bf16 %5.2f  scale bf16 %5.2f  round to bf16 %5.2f\n",
+                moe::hostCodecIsaName(isa), add32, add16, scale16, round16);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -122,5 +146,6 @@ int main(int argc, char** argv) {
               reps);
   benchType<float>("f32", hidden, rows, reps);
   benchType<BFloat16>("bf16", hidden, rows, reps);
+  benchCombine(hidden, rows, reps);
   return 0;
 }

@@ -263,5 +263,59 @@ TEST(QuantSimd, TensorAmax) {
   }
 }
 
+// Combine's row kernels: AVX2 against scalar (and the plain loop), on random binary32 with
+// NaN, Inf and subnormals, every row length.
+template <class T>
+void expectSameFloats(const std::vector<T>& want, const std::vector<T>& got, const char* what, size_t n) {
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isnan(toFloat(want[i])) && std::isnan(toFloat(got[i]))) continue;  // which NaN: see host_codec.h
+    ASSERT_EQ(std::memcmp(&want[i], &got[i], sizeof(T)), 0) << what << " n " << n << " element " << i;
+  }
+}
+
+TEST(QuantSimd, CombineRowKernels) {
+  SKIP_WITHOUT_AVX2();
+  std::mt19937 rng(11);
+  for (size_t n : kLengths) {
+    for (int round = 0; round < 20; ++round) {
+      std::vector<float> x(n), acc(n);
+      for (auto& v : x) v = bits(static_cast<uint32_t>(rng()));
+      for (auto& v : acc)
+        v = round % 2 ? bits(static_cast<uint32_t>(rng()))
+                      : std::ldexp(1.0f, static_cast<int>(rng() % 60) - 30);
+      std::vector<BFloat16> xb(n);
+      for (size_t i = 0; i < n; ++i) xb[i] = BFloat16::fromBits(static_cast<uint16_t>(rng()));
+      const float w =
+          round % 3 ? std::ldexp(std::uniform_real_distribution<float>(0.5f, 1.0f)(rng), -3) : 1e-38f;
+
+      std::vector<float> want(n), got(n);
+      for (size_t c = 0; c < n; ++c) want[c] = x[c] * w;
+      scaleRowHost(HostCodecIsa::kAvx2, got.data(), x.data(), w, n);
+      expectSameFloats(want, got, "scale f32", n);
+      for (size_t c = 0; c < n; ++c) want[c] = xb[c].toFloat() * w;
+      scaleRowHost(HostCodecIsa::kAvx2, got.data(), xb.data(), w, n);
+      expectSameFloats(want, got, "scale bf16", n);
+      scaleRowHost(HostCodecIsa::kScalar, got.data(), xb.data(), w, n);
+      expectSameFloats(want, got, "scalar scale bf16", n);
+
+      for (size_t c = 0; c < n; ++c) want[c] = acc[c] + x[c];
+      got = acc;
+      addRowHost(HostCodecIsa::kAvx2, got.data(), x.data(), n);
+      expectSameFloats(want, got, "add f32", n);
+      for (size_t c = 0; c < n; ++c) want[c] = acc[c] + xb[c].toFloat();
+      got = acc;
+      addRowHost(HostCodecIsa::kAvx2, got.data(), xb.data(), n);
+      expectSameFloats(want, got, "add bf16", n);
+
+      std::vector<BFloat16> wantb(n), gotb(n);
+      for (size_t c = 0; c < n; ++c) wantb[c] = BFloat16::fromFloat(x[c]);
+      roundRowHost(HostCodecIsa::kAvx2, gotb.data(), x.data(), n);
+      for (size_t c = 0; c < n; ++c)
+        ASSERT_EQ(wantb[c].bits, gotb[c].bits)
+            << "round to bf16, n " << n << " element " << c;  // NaN kept exactly
+    }
+  }
+}
+
 }  // namespace
 }  // namespace crossbar::moe
