@@ -170,6 +170,15 @@ UcxContext::UcxContext(const TransportSetup& setup, const std::string& prefix)
   // caches, which host memory over tcp/shm does not need: turn both off.
   setDefault(config, "RCACHE_ENABLE", "n");
   setDefault(config, "MEMTYPE_CACHE", "n");
+  // Finish each endpoint's wireup inside the setup handshake (UCX 1.13 defaults to off:
+  // the REQUEST/REPLY exchange then happens at the first rendezvous or RMA use, in the
+  // middle of a run). A peer's late wireup REQUEST makes this worker queue a REPLY on
+  // the plain tcp endpoint, behind data if its socket is full; when a failure then
+  // closes that endpoint (or the worker is destroyed), UCX 1.13 purges the queued
+  // REPLY into ucp_request_send_state_ff, whose assertion ("got REP message", removed
+  // upstream in openucx/ucx#8175) aborts this survivor. Resolved at creation, every
+  // REPLY is delivered before handshake() returns (see there) and none comes later.
+  setDefault(config, "RESOLVE_REMOTE_EP_ID", "on");
 
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_ESTIMATED_NUM_EPS |

@@ -24,6 +24,10 @@
 //   flight, as long as the worker is progressed (the ProgressEngine wakes at
 //   least every 100 ms). A host that vanishes without closing sockets is caught
 //   by keepalive / TCP keepalive (UCX_TCP_KEEPIDLE, default 10 s).
+// * Wireup must finish during setup (RESOLVE_REMOTE_EP_ID=on, ucx_context.cc): a
+//   REQUEST arriving later (UCX's default resolves at the first rendezvous send)
+//   queues a REPLY that, if still queued when the endpoint or worker is closed,
+//   trips an assertion and aborts the process (test_ft_ucx_teardown).
 // * A peer that closes its endpoints normally also shows as an endpoint error
 //   here; messages it sent before closing stay receivable (they sit in UCX's
 //   unexpected queue).
