@@ -446,9 +446,27 @@ CROSSBAR_AVX2 inline __m256i codes8(const uint8_t* q, int n) {
 }
 
 template <class T>
-CROSSBAR_AVX2 void e4m3Decode(const uint8_t* q, int count, float scale, T* out) {
+CROSSBAR_AVX2 void e4m3Decode(const uint8_t* q, int count, float scale, bool daz, T* out) {
   const __m256 s = _mm256_set1_ps(scale);
-  for (int i = 0; i < count; i += 8) {
+  int i = 0;
+  if (!daz) {
+    // The code's bits placed as a binary32 (exponent field = E4M3's, mantissa on top; an
+    // E4M3 subnormal lands on a binary32 subnormal) times 2^(127 - 7) is its value,
+    // exactly: the same operand for the same single rounding by the scale as the table.
+    // Needs subnormal inputs honoured (MXCSR.DAZ clear; checked by the caller).
+    const __m256 rebias = _mm256_set1_ps(0x1p120f);
+    const __m256i nan_mag = set1(0x7Fu << 20);
+    for (; i + 8 <= count; i += 8) {
+      const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
+      const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(c, 24), set1(0x80000000u));
+      const __m256i mag = _mm256_srli_epi32(_mm256_slli_epi32(c, 25), 5);
+      __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(mag, sign)), rebias);
+      v = _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_or_si256(sign, set1(0x7FC00000u))),
+                           _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, nan_mag)));
+      store8(out + i, _mm256_mul_ps(v, s), 8);
+    }
+  }
+  for (; i < count; i += 8) {
     const int n = count - i < 8 ? count - i : 8;
     store8(out + i, _mm256_mul_ps(e4m3Values(codes8(q + i, n)), s), n);
   }
@@ -477,17 +495,18 @@ CROSSBAR_AVX2 void nvfp4Decode(const uint8_t* packed, int count, float d, __m256
 template <class T>
 CROSSBAR_AVX2 void decodeRow(PayloadCodec codec, const uint8_t* payload, const void* scales, size_t hidden,
                              T* out, float global_scale) {
+  const bool daz = (_mm_getcsr() & 0x40u) != 0;  // MXCSR.DAZ: subnormal operands read as zero
   switch (codec) {
     case PayloadCodec::kFp8Block128: {
       const auto* s = static_cast<const float*>(scales);
       for (size_t b = 0, i = 0; i < hidden; ++b, i += kFp8BlockSize)
-        e4m3Decode(payload + i, blockCount(hidden, i, kFp8BlockSize), s[b], out + i);
+        e4m3Decode(payload + i, blockCount(hidden, i, kFp8BlockSize), s[b], daz, out + i);
       return;
     }
     case PayloadCodec::kMxfp8: {
       const auto* s = static_cast<const uint8_t*>(scales);
       for (size_t b = 0, i = 0; i < hidden; ++b, i += kMxBlockSize)
-        e4m3Decode(payload + i, blockCount(hidden, i, kMxBlockSize), e8m0BitsToFloat(s[b]), out + i);
+        e4m3Decode(payload + i, blockCount(hidden, i, kMxBlockSize), e8m0BitsToFloat(s[b]), daz, out + i);
       return;
     }
     case PayloadCodec::kNvfp4: {
