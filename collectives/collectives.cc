@@ -100,10 +100,18 @@ struct Queue;
 class WorkImpl final : public Work {
  public:
   WorkImpl(std::shared_ptr<Queue> q, std::string desc) : q_(std::move(q)), desc_(std::move(desc)) {}
+  // One operation: described on first use (formatting costs more than a small call).
+  WorkImpl(std::shared_ptr<Queue> q, const CollArgs& args, const Algorithm* algo)
+      : q_(std::move(q)), args_(args), algo_(algo) {}
   bool test() override;
   void wait(Deadline deadline) override;
   std::exception_ptr error() const override;
-  const std::string& description() const override { return desc_; }
+  const std::string& description() const override {
+    std::call_once(desc_once_, [&] {
+      if (algo_) desc_ = fmt::format("{} ({})", args_.describe(), algo_->name);
+    });
+    return desc_;
+  }
 
   std::shared_ptr<Queue> q_;
   // Guarded by Queue::m.
@@ -114,7 +122,10 @@ class WorkImpl final : public Work {
   bool done = false;
   bool started = false;
   std::exception_ptr err;
-  std::string desc_;
+  mutable std::string desc_;  // groups: set by groupEnd() before the group is enqueued
+  mutable std::once_flag desc_once_;
+  CollArgs args_;
+  const Algorithm* algo_ = nullptr;
 };
 
 struct Queue {
@@ -150,12 +161,12 @@ struct Queue {
       err =
           withPrefix(first, fmt::format("{}not run: an earlier operation ({}) failed, so the peers' state is "
                                         "unknown; abort the communicator and create a new one. First error: ",
-                                        errorContext(rank, w->desc_), first_op));
+                                        errorContext(rank, w->description()), first_op));
     } else {
       try {
         w->body(Deadline::after(w->timeout));
       } catch (...) {
-        err = withPrefix(std::current_exception(), fmt::format("{}: ", w->desc_));
+        err = withPrefix(std::current_exception(), fmt::format("{}: ", w->description()));
       }
     }
     lk.lock();
@@ -164,7 +175,7 @@ struct Queue {
     w->done = true;
     if (err && !sticky) {
       sticky = err;
-      sticky_op = w->desc_;
+      sticky_op = w->description();
     }
     executing = false;
     last_end = Clock::now();
@@ -206,21 +217,22 @@ std::exception_ptr WorkImpl::error() const {
 void WorkImpl::wait(Deadline deadline) {
   std::unique_lock<std::mutex> lk(q_->m);
   while (!done) {
+    const Clock::time_point now = Clock::now();  // one clock read per round (small calls feel each)
     // Help: execute the head inline when its own deadline ends before ours (so the
     // wait cannot overrun the caller's deadline by running it).
-    if (q_->canRunHead() && Clock::now() + q_->items.front()->timeout <= deadline.at()) {
+    if (q_->canRunHead() && now + q_->items.front()->timeout <= deadline.at()) {
       q_->runHead(lk);
       continue;
     }
-    if (deadline.expired()) {
+    if (now >= deadline.at()) {
       throw Timeout(
           fmt::format("{}{} did not finish before the wait's deadline ({}); it may be waiting for a "
                       "slow or hung peer, or for earlier operations. Wait longer or raise the timeout",
-                      errorContext(q_->rank, "wait"), desc_,
+                      errorContext(q_->rank, "wait"), description(),
                       started ? "it is running" : "it is still queued behind earlier operations"));
     }
     // While the head is one this wait may run, the worker leaves it to this thread.
-    const bool helper = q_->items.empty() || Clock::now() + q_->items.front()->timeout <= deadline.at();
+    const bool helper = q_->items.empty() || now + q_->items.front()->timeout <= deadline.at();
     if (helper) ++q_->helpers;
     q_->cv.wait_for(lk, std::min<Millis>(deadline.remaining(), Millis(100)));
     if (helper) --q_->helpers;
@@ -423,7 +435,7 @@ struct Planned {
   const Algorithm* algo = nullptr;
   uint32_t tag = 0;
   uint64_t seq = 0;  // collectives only (signature.h checks it across ranks)
-  std::string desc;
+  std::string describe() const { return fmt::format("{} ({})", args.describe(), algo->name); }
 };
 
 int64_t opSeq(const Planned& op) {
@@ -481,8 +493,7 @@ Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
     pl.seq = seq;
     pl.tag = opTag(seq++);
   }
-  pl.desc = fmt::format("{} ({})", pl.args.describe(), s.algorithm->name);
-  CB_INFO("coll", "{}: #{} {} [{}]", comm->name(), pl.seq, pl.desc, s.reason);
+  CB_INFO("coll", "{}: #{} {} [{}]", comm->name(), pl.seq, pl.describe(), s.reason);
   return pl;
 }
 
@@ -580,7 +591,7 @@ WorkPtr Collectives::Impl::submit(CollArgs a, const CollOptions& o) {
     group.push_back(std::move(pl));
     return group_work;
   }
-  auto w = std::make_shared<WorkImpl>(q, pl.desc);
+  auto w = std::make_shared<WorkImpl>(q, pl.args, pl.algo);
   std::vector<Planned> ops;
   ops.push_back(std::move(pl));
   w->body = makeBody(std::move(ops));
@@ -728,7 +739,7 @@ WorkPtr Collectives::groupEnd() {
   std::shared_ptr<WorkImpl> w = impl_->group_work;
   if (--impl_->group_depth > 0) return w;
   std::string desc = fmt::format("group of {} operations", impl_->group.size());
-  for (size_t i = 0; i < impl_->group.size() && i < 4; ++i) desc += (i ? ", " : ": ") + impl_->group[i].desc;
+  for (size_t i = 0; i < impl_->group.size() && i < 4; ++i) desc += (i ? ", " : ": ") + impl_->group[i].describe();
   if (impl_->group.size() > 4) desc += ", ...";
   w->desc_ = desc;
   Millis timeout = w->timeout.count() > 0 ? w->timeout : comm_->timeout();

@@ -38,7 +38,7 @@ bool reduces(CollType c) {
 std::string eagerApplies(const CollArgs& a, const Communicator& comm) {
   const size_t limit = eagerMaxBytes();
   if (limit == 0) return "CROSSBAR_EAGER_BYTES=0 disables the eager path";
-  if (comm.numNodes() != 1)
+  if (comm.localSize() != comm.size())  // not one node (cheaper than numNodes())
     return fmt::format("{} nodes: eager slots are shared memory within one node", comm.numNodes());
   const size_t bytes = a.selectionBytes(comm.size());
   if (bytes >= limit) return fmt::format("{} bytes: not below CROSSBAR_EAGER_BYTES={}", bytes, limit);

@@ -453,7 +453,8 @@ Selection selectAlgorithm(const CollArgs& args, const Communicator& comm, const 
 
   const size_t bytes = args.selectionBytes(comm.size());
   const int n = comm.size();
-  const int nodes = comm.numNodes();
+  // 1 or "several" (numNodes() collects and sorts every rank's node on each call).
+  const int nodes = comm.localSize() == comm.size() ? 1 : 2;
   for (const SelectionRule& r : selectionTable()) {
     if (r.memory != memory || r.coll != args.coll || bytes < r.min_bytes || bytes >= r.max_bytes) continue;
     if (n < r.min_ranks || n > r.max_ranks) continue;
@@ -461,6 +462,8 @@ Selection selectAlgorithm(const CollArgs& args, const Communicator& comm, const 
       continue;
     const Algorithm* a = findAlgorithm(args.coll, r.algorithm, memory);
     if (!a || !a->applies(args, comm).empty()) continue;
+    // The reason is for the INFO log only: formatting it costs more than a small call.
+    if (!log::enabled(log::Level::kInfo)) return {a, {}};
     return {a, "table: " + ruleText(r) + fallback_note};
   }
   for (const Algorithm& a : memory == MemoryKind::kHost ? algorithms() : cudaAlgorithms())
