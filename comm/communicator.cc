@@ -402,7 +402,7 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key) {
 
 std::shared_ptr<Communicator> Communicator::dup() { return split(0, rank_); }
 
-std::shared_ptr<Communicator> Communicator::splitMembers(const std::vector<int>& ranks) {
+std::shared_ptr<Communicator> Communicator::splitMembers(const std::vector<int>& ranks, const std::string& given_name) {
   const std::string op = name_ + " members-only split";
   std::vector<int> sorted = ranks;
   std::sort(sorted.begin(), sorted.end());
@@ -423,7 +423,8 @@ std::shared_ptr<Communicator> Communicator::splitMembers(const std::vector<int>&
   for (int r : ranks) members.push_back(members_[r]);
   const std::string list = ranks.size() <= 8 ? fmt::format("{}", fmt::join(ranks, ","))
                                               : fmt::format("{},{},...({} ranks)", ranks[0], ranks[1], ranks.size());
-  const std::string name = fmt::format("{}.[{}]{}", name_, list, seq ? fmt::format("#{}", seq) : "");
+  const std::string name =
+      given_name.empty() ? fmt::format("{}.[{}]{}", name_, list, seq ? fmt::format("#{}", seq) : "") : given_name;
   // The first member allocates the new communicator id; the others wait for it.
   if (new_rank == 0) {
     int64_t id = context_->store()->add("next_comm_id", 1);

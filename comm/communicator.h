@@ -79,7 +79,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Only members call it, all with the same list; the n-th call with a list on each
   // member makes the same communicator (calls for different lists may come in any
   // order). Returns nullptr, without communicating, when this rank is not in `ranks`.
-  std::shared_ptr<Communicator> splitMembers(const std::vector<int>& ranks);
+  // `name` defaults to "<parent>.[ranks]".
+  std::shared_ptr<Communicator> splitMembers(const std::vector<int>& ranks, const std::string& name = {});
 
   // Fails every pending operation with Aborted; thread-safe, idempotent, nonblocking.
   void abort(const std::string& reason = "abort() called");

@@ -16,6 +16,7 @@ from torch.testing._internal.common_utils import run_tests  # noqa: E402
 # test module is imported (its decorators read these sets at import time).
 DistTestCases.backend_feature["ddp"].add("crossbar")
 DistTestCases.backend_feature["plugin"].add("crossbar")
+DistTestCases.backend_feature["subgroup"].add("crossbar")  # new_group / new_subgroups (members-only splits)
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,

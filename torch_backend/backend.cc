@@ -635,7 +635,23 @@ c10::intrusive_ptr<c10d::Backend> CrossbarBackend::split(const c10::intrusive_pt
   child_opts->ranks_per_node = options_->ranks_per_node;
   if (auto* ours = dynamic_cast<const Options*>(opts.get())) child_opts->ranks_per_node = ours->ranks_per_node;
   child_opts->name = child->name();
-  return c10::make_intrusive<CrossbarBackend>(std::move(child), child_opts);
+  auto backend = c10::make_intrusive<CrossbarBackend>(std::move(child), child_opts);
+  backend->shares_transports_ = true;
+  return backend;
+}
+
+c10::intrusive_ptr<c10d::Backend> CrossbarBackend::splitMembers(const std::vector<int>& ranks,
+                                                                std::chrono::milliseconds timeout,
+                                                                const std::string& name) {
+  ensureUsable("new_group");
+  std::shared_ptr<Communicator> child = comm_->splitMembers(ranks, name);
+  if (!child) return nullptr;
+  auto child_opts = c10::make_intrusive<Options>(timeout);
+  child_opts->ranks_per_node = options_->ranks_per_node;
+  child_opts->name = child->name();
+  auto backend = c10::make_intrusive<CrossbarBackend>(std::move(child), child_opts);
+  backend->shares_transports_ = true;
+  return backend;
 }
 
 CrossbarBackend::~CrossbarBackend() {
@@ -648,6 +664,7 @@ CrossbarBackend::~CrossbarBackend() {
     stopThreads();
     coll_.reset();
     cuda_.reset();
+    announcer_.reset();
     comm_.reset();
   } catch (...) {
     // Destructors must not throw; the layers below logged what went wrong.
@@ -674,10 +691,31 @@ void CrossbarBackend::shutdown() {
   stopThreads();
   coll_.reset();
   cuda_.reset();  // waits (bounded) for its queued GPU work
+  announcer_.reset();
   if (comm_ && !comm_->aborted()) comm_->destroy();
 }
 
 void CrossbarBackend::abort() {
+  if (comm_ && shares_transports_ && !shut_down_) {
+    bool idle;
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      idle = coll_pending_.empty() && p2p_incoming_.empty() && cuda_pending_.empty() && p2p_active_.load() == 0;
+    }
+    if (idle) {
+      // Nothing to interrupt: stop this group alone (no goodbye barrier: abort is local);
+      // the transports stay with the parent and its other splits.
+      shut_down_ = true;
+      stopThreads();
+      coll_.reset();
+      cuda_.reset();
+      announcer_.reset();
+      return;
+    }
+    // Pending work can only be interrupted by aborting the shared transports.
+    CB_WARN("torch", "abort() of {} with work pending aborts the transports it shares with its parent group "
+            "and that group's other splits", comm_->name());
+  }
   if (comm_) comm_->abort("torch.distributed abort");
   shutdown();
 }
@@ -765,6 +803,7 @@ void CrossbarBackend::p2pLoop() {
       if (active.empty()) cv_.wait(lk, [&] { return stop_ || !p2p_incoming_.empty(); });
       for (auto& w : p2p_incoming_) active.push_back(std::move(w));
       p2p_incoming_.clear();
+      p2p_active_ = active.size();
       p2p_new_ = false;
       if (active.empty() && stop_) return;
     }
@@ -794,6 +833,7 @@ void CrossbarBackend::p2pLoop() {
       }
       return false;
     });
+    p2p_active_ = active.size();
     if (active.empty()) continue;
     comm_->engine().waitUntil(
         [&] {
@@ -934,6 +974,7 @@ CudaCollectives& CrossbarBackend::ensureCuda(int device, const char* op) {
   co.timeout = Millis(timeout_ms_.load());
   cuda_ = std::make_shared<CudaCollectives>(comm_, co);
   cuda_device_ = device;
+  announcer_ = std::make_unique<P2pAnnouncer>(comm_);
   cuda_thread_ = std::thread([this] { cudaLoop(); });
   return *cuda_;
 }
@@ -1004,10 +1045,20 @@ void CrossbarBackend::cudaLoop() {
       done = true;
     }
     if (done) w->complete(err);
+    // Receives naming their sender: a size or order mismatch its announcement showed.
+    std::exception_ptr mismatch = done && announcer_ ? announcer_->poll() : nullptr;
+    if (mismatch) {
+      try {
+        std::rethrow_exception(mismatch);
+      } catch (const std::exception& e) {
+        CB_WARN("torch", "{}", e.what());
+      }
+    }
     lk.lock();
     if (done) {
       cuda_pending_.pop_front();
       if (err && !first_error_) first_error_ = err;
+      if (mismatch && !first_error_) first_error_ = mismatch;
     }
   }
 }
@@ -1680,6 +1731,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::send(std::vector<at::Tensor>& te
         w.keepalive = {src};
         if (ops.onCuda()) {
           Moved m = movedType(src);
+          if (P2pAnnouncer::announces(tag)) w.requests.push_back(announcer_->announceSend(dst, tag, src.nbytes()));
           w.coll = ops.send(src.data_ptr(), elems(src) * m.scale, m.type, dst, static_cast<uint32_t>(tag),
                             CollOptions{Millis(timeout_ms_.load()), "", 1.0});
           return;
@@ -1692,16 +1744,24 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::send(std::vector<at::Tensor>& te
 c10::intrusive_ptr<c10d::Work> CrossbarBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   checkSingle(tensors, rank_, "recv");
   checkP2p(src, size_, rank_, tag, "recv");
+  return recvFrom(tensors, src, tag, false);
+}
+
+// `announced`: a CUDA receive whose sender's announcement was taken already (from any source).
+c10::intrusive_ptr<c10d::Work> CrossbarBackend::recvFrom(std::vector<at::Tensor>& tensors, int src, int tag,
+                                                         bool announced) {
   at::Tensor t = tensors[0];
   return submit(
-      c10d::OpType::RECV, "recv", tensors, Millis(timeout_ms_.load()),
-      t, [&](CrossbarWork& w, Ops& ops) {
+      announced ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV, announced ? "recv_anysource" : "recv", tensors,
+      Millis(timeout_ms_.load()), t, [&](CrossbarWork& w, Ops& ops) {
         std::vector<std::function<void()>> post;
         at::Tensor dst = outputStage(t, false, post);
         w.source_rank_ = src;
-        if (ops.onCuda()) {  // NCCL matches in order; it cannot check the size
+        if (ops.onCuda()) {  // NCCL matches in order; it cannot check the size (the announcement does)
           Moved m = movedType(dst);
           w.keepalive = {dst};
+          if (!announced && P2pAnnouncer::announces(tag))
+            w.requests.push_back(announcer_->expectFrom(src, tag, dst.nbytes()));
           w.coll = ops.recv(dst.data_ptr(), elems(dst) * m.scale, m.type, src, static_cast<uint32_t>(tag),
                             CollOptions{Millis(timeout_ms_.load()), "", 1.0});
           w.post = sequence(std::move(post));
@@ -1728,10 +1788,24 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::recvAnysource(std::vector<at::Te
     throw InvalidUsage(errorContext(rank_, "recv") + "a group of one rank has nobody to receive from");
   checkP2p(rank_ == 0 ? 1 : 0, size_, rank_, tag, "recv");  // the tag's range
   at::Tensor t = tensors[0];
-  if (t.is_cuda())
-    throw Unsupported(errorContext(rank_, "recv") +
-                      "receiving a CUDA tensor from any source is not supported (NCCL matches by peer); pass "
-                      "src=, or receive into a CPU tensor");
+#if CROSSBAR_TORCH_CUDA
+  if (t.is_cuda()) {
+    // NCCL matches by peer: the host learns the sender from its announcement first
+    // (blocking until some rank sent one, see p2p_announce.h), then the receive from that
+    // rank goes on the current stream like any CUDA recv.
+    if (!P2pAnnouncer::announces(tag))
+      throw InvalidArgument(fmt::format("{}a CUDA tensor from any source needs a tag below {} (got {})",
+                                        errorContext(rank_, "recv"), P2pAnnouncer::kTagLimit, tag));
+    if (coalescing_)
+      throw InvalidUsage(errorContext(rank_, "recv") +
+                         "a CUDA receive from any source cannot be part of a coalescing block "
+                         "(batch_isend_irecv): its sender must be known when the block launches; pass src=");
+    ensureUsable("recv");
+    ensureCuda(t.device().index(), "recv");
+    const int src = announcer_->awaitAnySource(tag, t.nbytes(), Deadline::after(Millis(timeout_ms_.load())));
+    return recvFrom(tensors, src, tag, true);
+  }
+#endif
   return submit(
       c10d::OpType::RECVANYSOURCE, "recv_anysource", tensors, Millis(timeout_ms_.load()),
       t, [&](CrossbarWork& w, Ops& /*host only*/) {

@@ -42,6 +42,7 @@
 #include "collectives/collectives.h"
 #include "comm/communicator.h"
 #include "comm/store.h"
+#include "torch_backend/p2p_announce.h"
 
 #define CROSSBAR_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
@@ -140,7 +141,7 @@ class CrossbarBackend : public c10d::Backend {
 
   CrossbarBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   c10::intrusive_ptr<Options> options = c10::make_intrusive<Options>());
-  // Over an existing communicator (a split of another backend's).
+  // Over an existing communicator (a split of another backend's, sharing its transports).
   CrossbarBackend(std::shared_ptr<Communicator> comm, c10::intrusive_ptr<Options> options);
   ~CrossbarBackend() override;
 
@@ -189,6 +190,8 @@ class CrossbarBackend : public c10d::Backend {
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  // CUDA tensors: the sender is learned on the host first (blocking until one sent), see
+  // p2p_announce.h; then received through NCCL on the current stream.
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   // torch.distributed.monitored_barrier (blocking; gloo's protocol, see monitored_barrier.cc).
@@ -204,6 +207,12 @@ class CrossbarBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
                                           const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<c10d::Backend::Options>& opts);
+  // new_group on its members only (use_local_synchronization, or a default group not
+  // bound to a device, where torch does not call non-members): Communicator::splitMembers
+  // of this group's communicator; `ranks` are this group's ranks (position = new rank).
+  // nullptr where this rank is not in `ranks`.
+  c10::intrusive_ptr<c10d::Backend> splitMembers(const std::vector<int>& ranks, std::chrono::milliseconds timeout,
+                                                 const std::string& name);
   // torch.distributed.shrink_group (torch >= 2.10; not `override` for older versions).
   // Only a crossbar.ft group's backends can shrink: survivors must agree on who is left
   // first, which its handler does (the fault-tolerant agreement) before handing back the
@@ -230,6 +239,7 @@ class CrossbarBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
                                         Millis timeout, const at::Tensor& on,
                                         const std::function<void(CrossbarWork&, Ops&)>& issue, bool p2p = false);
+  c10::intrusive_ptr<c10d::Work> recvFrom(std::vector<at::Tensor>& tensors, int src, int tag, bool announced);
   Millis timeoutOf(std::chrono::milliseconds requested) const;
   void ensureUsable(const char* op) const;
   void startThreads();
@@ -263,6 +273,7 @@ class CrossbarBackend : public c10d::Backend {
   int cuda_device_ = -1;
   std::deque<c10::intrusive_ptr<CrossbarWork>> cuda_pending_;
   std::thread cuda_thread_;
+  std::unique_ptr<P2pAnnouncer> announcer_;  // CUDA sends' announcements (any-source receives)
   bool cuda_group_open_ = false;  // a CudaCollectives group is open for the coalescing block
   std::atomic<bool> p2p_new_{false};
 
@@ -275,6 +286,10 @@ class CrossbarBackend : public c10d::Backend {
   // Timed-out point-to-point works whose buffers a transport may still write into.
   std::vector<c10::intrusive_ptr<CrossbarWork>> orphans_;
   bool shut_down_ = false;
+  // Over a split: the transports are shared with the parent and its other splits, so
+  // abort() aborts them only when it must (work pending), see abort().
+  bool shares_transports_ = false;
+  std::atomic<size_t> p2p_active_{0};  // point-to-point works the p2p thread holds
   mutable std::mutex shrink_mu_;
   ShrinkHandler shrink_handler_;
 };

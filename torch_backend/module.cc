@@ -101,6 +101,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("ranks"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
           "Collective over this group: the backend of the new group `ranks` (this group's ranks; the "
           "position is the new rank), sharing this group's transports; None where this rank is not in `ranks`.")
+      .def(
+          "_split_members",
+          [](CrossbarBackend& b, const std::vector<int>& ranks, std::chrono::milliseconds timeout,
+             const std::string& name) { return b.splitMembers(ranks, timeout, name); },
+          py::arg("ranks"), py::arg("timeout"), py::arg("name") = "", py::call_guard<py::gil_scoped_release>(),
+          "Members only (non-members do not call): the backend of the new group `ranks` (this group's "
+          "ranks; the position is the new rank), sharing this group's transports; None where this rank is "
+          "not in `ranks`.")
       .def("describe", [](const CrossbarBackend& b) { return b.communicator().describe(); })
       .def("abort", &CrossbarBackend::abort, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &CrossbarBackend::shutdown, py::call_guard<py::gil_scoped_release>())

@@ -72,13 +72,40 @@ def _split_source(dist_opts):
     CUDA device): then every rank of the default group takes part, non-members through
     ``perform_nocolor_split``, so the new group can be a split of the default group's
     communicator (its transports and rendezvous reused). ``new_group(...,
-    use_local_synchronization=True)`` runs on members only, so it cannot split; torch names
-    those groups by a hash of their ranks, the others by a counter.
+    use_local_synchronization=True)`` runs on members only, so it cannot take part in a
+    split collective over the parent: those (torch names them by a hash of their ranks, the
+    others by a counter) are members-only splits, see _members_only_source.
     """
     parent = getattr(dist_opts, "split_from", None)
     if not isinstance(parent, _C.ProcessGroupCrossbar):
         return None  # no split offered, or another backend's (e.g. NCCL for "cpu:crossbar,cuda:nccl")
     if not dist_opts.global_ranks_in_group or not str(getattr(dist_opts, "group_id", "")).isdigit():
+        return None
+    return parent
+
+
+def _members_only_source(dist_opts, opts):
+    """The crossbar backend a new group splits from on its members only, or None.
+
+    Where torch does not call non-members (``use_local_synchronization=True``, or a default
+    group not bound to a device), the members split the default group's crossbar
+    communicator without them (``Communicator::splitMembers``): the new group shares its
+    transports. A fresh communicator is built instead for the default group itself, when
+    the default group is not crossbar, or when ``Options(ranks_per_node=...)`` asks for a
+    topology of its own.
+    """
+    ranks = list(dist_opts.global_ranks_in_group or [])
+    if not ranks or opts.ranks_per_node != -1:
+        return None
+    parent = getattr(dist_opts, "split_from", None)
+    if isinstance(parent, _C.ProcessGroupCrossbar):
+        return parent
+    try:
+        default = dist.distributed_c10d._get_default_group()
+        parent = default._get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError, AttributeError):
+        return None  # no default group yet, or none on the CPU
+    if not isinstance(parent, _C.ProcessGroupCrossbar) or parent.size() != default.size():
         return None
     return parent
 
@@ -93,6 +120,17 @@ def _create_backend(dist_opts, backend_options):
         if backend is None or backend.rank() != dist_opts.group_rank or backend.size() != dist_opts.group_size:
             raise errors.InvalidUsage(
                 f"rank {dist_opts.group_rank}: split for new_group {list(dist_opts.global_ranks_in_group)} gave "
+                f"{'no group' if backend is None else f'rank {backend.rank()} of {backend.size()}'}; "
+                "torch and crossbar disagree about the group's ranks"
+            )
+        return backend
+    parent = _members_only_source(dist_opts, opts)
+    if parent is not None:
+        backend = parent._split_members(list(dist_opts.global_ranks_in_group), timeout, opts.name or "")
+        if backend is None or backend.rank() != dist_opts.group_rank or backend.size() != dist_opts.group_size:
+            raise errors.InvalidUsage(
+                f"rank {dist_opts.group_rank}: members-only split for new_group "
+                f"{list(dist_opts.global_ranks_in_group)} gave "
                 f"{'no group' if backend is None else f'rank {backend.rank()} of {backend.size()}'}; "
                 "torch and crossbar disagree about the group's ranks"
             )

@@ -1,8 +1,9 @@
 """CUDA tensors on the crossbar backend (CudaCollectives, stream-ordered on torch's current
 stream): every collective against a float64 reference computed from all ranks' inputs,
-non-contiguous tensors, async works and futures, point to point, and a DDP step equal to
-single-process training on the whole batch. Two ranks share GPU 0 (the GPU check runs
-on one GPU). Skips without a GPU or in a build without crossbar's CUDA path.
+non-contiguous tensors, async works and futures, point to point (also from any source,
+in stream order), and a DDP step equal to single-process training on the whole batch.
+Two ranks share GPU 0 (the GPU check runs on one GPU). Skips without a GPU or in a
+build without crossbar's CUDA path.
 
     CROSSBAR_BUILD_DIR=build python3 -m pytest -q tests/python/test_torch_cuda.py
 """
@@ -156,9 +157,9 @@ def _collectives(rank, world):
     for w in works:
         assert w.is_completed()
     dist.barrier()
-    # Errors stay typed; a CUDA tensor on the host-only any-source path is refused clearly.
-    with pytest.raises(crossbar.Unsupported, match="any source"):
-        dist.recv(torch.zeros(2, device=dev))
+    # Errors stay typed; any-source receives of CUDA tensors need a tag below 2^26.
+    with pytest.raises(crossbar.InvalidArgument, match="any source needs a tag below"):
+        dist.recv(torch.zeros(2, device=dev), tag=1 << 26)
     with pytest.raises(crossbar.InvalidArgument, match="same device"):
         dist.all_gather_into_tensor(torch.empty(2 * world), torch.empty(2, device=dev))
     # Point to point goes through NCCL, which may refuse two ranks on one GPU: then the
@@ -177,6 +178,43 @@ def _collectives(rank, world):
 
 def test_cuda_collectives_two_ranks_one_gpu():
     run_ranks(_collectives, 2, backend="crossbar")
+
+
+def _anysource(rank, world):
+    import crossbar
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.barrier()
+    n = 1 << 20
+    try:
+        if rank == 1:
+            for i in range(3):
+                dist.send(torch.full((n,), float(10 + i), device=dev), dst=0, tag=4)
+        else:
+            # Stream order: the add before the receive and the mul after it are queued on
+            # the current stream with it; the host does not synchronize in between.
+            t = torch.zeros(n, device=dev)
+            t.add_(1.0)
+            assert dist.recv(t, tag=4) == 1  # no src: the sender is learned on the host
+            t.mul_(2.0)
+            same(t, torch.full((n,), 20.0), "any-source recv, stream order")
+            u = torch.zeros(n, device=dev)
+            dist.recv(u, src=1, tag=4)  # by name: takes the sender's next message
+            same(u, torch.full((n,), 11.0), "recv by name after any-source")
+            w = torch.zeros(n, device=dev)
+            work = dist.irecv(w, tag=4)
+            work.wait()
+            assert work._source_rank() == 1
+            same(w, torch.full((n,), 12.0), "irecv from any source")
+    except crossbar.CrossbarError as e:
+        # Two ranks on one GPU: NCCL refuses point to point; the error says so.
+        assert e.code == "NcclError" and "GPU" in str(e), str(e)
+    torch.cuda.synchronize()
+
+
+def test_cuda_recv_any_source():
+    run_ranks(_anysource, 2, backend="crossbar")
 
 
 def _ddp(rank, world):

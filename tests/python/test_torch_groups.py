@@ -57,10 +57,10 @@ def _new_group_split(rank, world):
     dist.all_reduce(t, group=everyone)
     assert torch.equal(t, torch.full((3,), float(world)))
     assert _comm_name(everyone).startswith(parent + ".")
-    # use_local_synchronization: only members call in, so no split: a fresh communicator.
+    # use_local_synchronization: only members call in: a members-only split.
     local = dist.new_group([1, 2], use_local_synchronization=True)
     if rank in (1, 2):
-        assert not _comm_name(local).startswith(parent + "."), _comm_name(local)
+        assert _comm_name(local) == parent + ".[1,2]", _comm_name(local)
         t = torch.full((1,), float(rank))
         dist.all_reduce(t, group=local)
         assert t.item() == 3.0
@@ -75,18 +75,19 @@ def test_new_group_splits_bound_default_group():
     run_ranks(_new_group_split, 4, device_id=torch.device("cpu", 0))
 
 
-def _fresh_without_binding(rank, world):
-    # Without a bound device torch offers no split: new_group builds its own communicator.
+def _members_only_without_binding(rank, world):
+    # Without a bound device torch offers no split and calls members only: a members-only
+    # split of the default group's communicator (test_torch_local_groups.py has more).
     parent = _comm_name(dist.group.WORLD)
     g = dist.new_group([0, 1])
-    assert not _comm_name(g).startswith(parent + ".")
+    assert _comm_name(g) == parent + ".[0,1]", _comm_name(g)
     t = torch.ones(1)
     dist.all_reduce(t, group=g)
     assert t.item() == 2.0
 
 
-def test_new_group_fresh_without_bound_device():
-    run_ranks(_fresh_without_binding, 2)
+def test_new_group_members_only_without_bound_device():
+    run_ranks(_members_only_without_binding, 2)
 
 
 def _monitored(rank, world):
