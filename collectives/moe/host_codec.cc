@@ -328,6 +328,38 @@ CROSSBAR_AVX2 inline __m256i e2m1Codes(__m256 v) {
   return _mm256_or_si256(sign, code);
 }
 
+// One full MXFP8 block (32 values) from registers: amax, scale and codes in one pass (the
+// general path reloads the block and pays a loop per step). Same result as amaxOf +
+// mxfp8Scale + e4m3Block.
+template <class T>
+CROSSBAR_AVX2 uint8_t mxfp8FullBlock(const T* x, uint8_t* q) {
+  const __m256i abs_mask = set1(0x7FFFFFFFu), below_inf = set1(0x7F7FFFFFu);
+  const __m256i v0 = bits8(x), v1 = bits8(x + 8), v2 = bits8(x + 16), v3 = bits8(x + 24);
+  const __m256i a0 = _mm256_and_si256(v0, abs_mask), a1 = _mm256_and_si256(v1, abs_mask);
+  const __m256i a2 = _mm256_and_si256(v2, abs_mask), a3 = _mm256_and_si256(v3, abs_mask);
+  const __m256i nf0 = _mm256_cmpgt_epi32(a0, below_inf), nf1 = _mm256_cmpgt_epi32(a1, below_inf);
+  const __m256i nf2 = _mm256_cmpgt_epi32(a2, below_inf), nf3 = _mm256_cmpgt_epi32(a3, below_inf);
+  const __m256i bad = _mm256_or_si256(_mm256_or_si256(nf0, nf1), _mm256_or_si256(nf2, nf3));
+  if (_mm256_movemask_epi8(bad) != 0) {  // a NaN or Inf: mxfp8Scale's poisoned block
+    std::memset(q, 0x7F, kMxBlockSize);
+    return 0xFFu;
+  }
+  const __m256i m = _mm256_max_epi32(_mm256_max_epi32(a0, a1), _mm256_max_epi32(a2, a3));
+  __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  const uint8_t scale =
+      mxfp8Scale(BlockAmax{scalar::asFloat(static_cast<uint32_t>(_mm_cvtsi128_si32(h))), false});
+  // mxfp8Encode's exact multiply by 2^(127 - scale).
+  const __m256 inv = _mm256_castsi256_ps(set1(static_cast<uint32_t>(254 - scale) << 23));
+  const __m256i c0 = e4m3Codes(_mm256_mul_ps(_mm256_castsi256_ps(v0), inv));
+  const __m256i c1 = e4m3Codes(_mm256_mul_ps(_mm256_castsi256_ps(v1), inv));
+  const __m256i c2 = e4m3Codes(_mm256_mul_ps(_mm256_castsi256_ps(v2), inv));
+  const __m256i c3 = e4m3Codes(_mm256_mul_ps(_mm256_castsi256_ps(v3), inv));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), narrow32(c0, c1, c2, c3));
+  return scale;
+}
+
 // One NVFP4 block (count <= 16): scale byte, and (count + 1) / 2 packed bytes, low nibble
 // first, like nvfp4Quantize.
 template <class T>
@@ -370,6 +402,10 @@ CROSSBAR_AVX2 void encodeRow(PayloadCodec codec, const T* x, size_t hidden, uint
       auto* s = static_cast<uint8_t*>(scales);
       for (size_t b = 0, i = 0; i < hidden; ++b, i += kMxBlockSize) {
         const int count = blockCount(hidden, i, kMxBlockSize);
+        if (count == kMxBlockSize) {
+          s[b] = mxfp8FullBlock(x + i, payload + i);
+          continue;
+        }
         s[b] = mxfp8Scale(amaxOf(x + i, count));
         if (s[b] == 0xFFu) {
           std::memset(payload + i, 0x7F, static_cast<size_t>(count));
