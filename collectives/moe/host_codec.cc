@@ -205,13 +205,14 @@ CROSSBAR_AVX2 inline __m256i set1(uint32_t v) {
   return _mm256_set1_epi32(static_cast<int>(v));
 }
 
-// Eight elements' binary32 bits; `n` < 8 reads only n of them and zero-fills the rest.
+// Eight elements' binary32 bits (bf16: widened into the top half).
 CROSSBAR_AVX2 inline __m256i bits8(const float* x) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
 }
 CROSSBAR_AVX2 inline __m256i bits8(const BFloat16* x) {
   return _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16);
 }
+// The same for a tail: n < 8 reads only n elements and zero-fills the other lanes.
 template <class T>
 CROSSBAR_AVX2 inline __m256i bits8(const T* x, int n) {
   if (n >= 8) return bits8(x);
@@ -282,7 +283,7 @@ CROSSBAR_AVX2 inline uint64_t narrow8(__m256i c) {
          static_cast<uint64_t>(static_cast<uint32_t>(_mm_cvtsi128_si32(hi))) << 32;
 }
 
-// E4M3 codes of x / div (div != 1) or x * mul (div == 1), like scalar::e4m3Block.
+// The value scalar::e4m3Block rounds: x / div (fp8 block-128) or x * mul (MXFP8).
 template <class T>
 CROSSBAR_AVX2 inline __m256 scaled(const T* x, int n, __m256 div, __m256 mul, bool divide) {
   const __m256 v = _mm256_castsi256_ps(bits8(x, n));
