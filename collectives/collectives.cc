@@ -466,6 +466,17 @@ struct Collectives::Impl {
   std::vector<Planned> group;
   std::shared_ptr<WorkImpl> group_work;
   std::shared_ptr<CudaRoute> cuda_route;  // device memory: collectives/cuda/route.h
+  // What every operation's body needs, fixed after construction: one reference per
+  // queued operation instead of one per member (each is an atomic count up and down).
+  struct Shared {
+    std::shared_ptr<Communicator> comm;
+    std::shared_ptr<Scratch> scratch;
+    std::shared_ptr<SymmCache> symm;
+    std::shared_ptr<CallChecker> checker;
+    std::shared_ptr<EagerChannel> eager;
+    size_t chunk_bytes = 0;
+  };
+  std::shared_ptr<const Shared> shared;
 
   Planned plan(CollArgs a, const CollOptions& o);
   std::function<void(Deadline)> makeBody(std::vector<Planned> ops);
@@ -500,14 +511,16 @@ Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
 std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> ops) {
   // Telemetry: issue time here, start/end/waits around the run (PeerWait in the algorithms).
   const int64_t issued_ns = telemetry::Recorder::instance().enabled() ? telemetry::nowNs() : 0;
-  return [comm = comm, ops = std::move(ops), chunk = chunk_bytes, hier = hier, scratch = scratch, symm = symm,
-          checker = checker, eager = eager, issued_ns](Deadline deadline) {
+  return [sh = shared, ops = std::move(ops), hier = hier, issued_ns](Deadline deadline) {
+    const auto& comm = sh->comm;
+    const auto& checker = sh->checker;
+    const auto& eager = sh->eager;
     RunContext x;
-    x.scratch = scratch.get();
-    x.symm = symm.get();
+    x.scratch = sh->scratch.get();
+    x.symm = sh->symm.get();
     x.comm = comm.get();
     x.deadline = deadline;
-    x.chunk_bytes = chunk;
+    x.chunk_bytes = sh->chunk_bytes;
     x.hier = hier.get();
     if (ops.size() == 1 && !isP2p(ops[0].args.coll)) {
       telemetry::OpScope record(collTypeName(ops[0].args.coll), ops[0].args.selectionBytes(comm->size()),
@@ -618,6 +631,8 @@ Collectives::Collectives(std::shared_ptr<Communicator> comm) : comm_(std::move(c
         auto e = eager.lock();
         return e && e->peek(peer, seq, out);
       });
+  impl_->shared = std::make_shared<const Impl::Shared>(Impl::Shared{
+      impl_->comm, impl_->scratch, impl_->symm, impl_->checker, impl_->eager, impl_->chunk_bytes});
   impl_->worker = std::thread([q = impl_->q] { q->workerLoop(); });
 }
 

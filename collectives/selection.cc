@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 
 #include "comm/env.h"
@@ -429,6 +430,20 @@ AlgoOverride parseAlgoOverride(const std::string& text) {
   return o;
 }
 
+namespace {
+// The algorithm of table row `i`, looked up once (a registry lookup locks and compares
+// names; small calls feel it). Registry entries never move, so the pointers stay valid.
+const Algorithm* rowAlgorithm(size_t i, const SelectionRule& r) {
+  static std::vector<std::atomic<const Algorithm*>> cache(selectionTable().size());
+  const Algorithm* a = cache[i].load(std::memory_order_acquire);
+  if (!a) {
+    a = findAlgorithm(r.coll, r.algorithm, r.memory);
+    if (a) cache[i].store(a, std::memory_order_release);
+  }
+  return a;
+}
+}  // namespace
+
 Selection selectAlgorithm(const CollArgs& args, const Communicator& comm, const std::string& forced,
                           const AlgoOverride& env_override, MemoryKind memory) {
   std::string fallback_note;
@@ -455,12 +470,14 @@ Selection selectAlgorithm(const CollArgs& args, const Communicator& comm, const 
   const int n = comm.size();
   // 1 or "several" (numNodes() collects and sorts every rank's node on each call).
   const int nodes = comm.localSize() == comm.size() ? 1 : 2;
-  for (const SelectionRule& r : selectionTable()) {
+  const std::vector<SelectionRule>& table = selectionTable();
+  for (size_t i = 0; i < table.size(); ++i) {
+    const SelectionRule& r = table[i];
     if (r.memory != memory || r.coll != args.coll || bytes < r.min_bytes || bytes >= r.max_bytes) continue;
     if (n < r.min_ranks || n > r.max_ranks) continue;
     if ((r.nodes == NodeScope::kSingle && nodes != 1) || (r.nodes == NodeScope::kMulti && nodes < 2))
       continue;
-    const Algorithm* a = findAlgorithm(args.coll, r.algorithm, memory);
+    const Algorithm* a = rowAlgorithm(i, r);
     if (!a || !a->applies(args, comm).empty()) continue;
     // The reason is for the INFO log only: formatting it costs more than a small call.
     if (!log::enabled(log::Level::kInfo)) return {a, {}};
