@@ -128,11 +128,6 @@ class PhaseClock {
   std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
 };
 
-float loadAsFloat(const void* row, DataType t, size_t h) {
-  return t == DataType::kFloat32 ? static_cast<const float*>(row)[h]
-                                 : static_cast<const BFloat16*>(row)[h].toFloat();
-}
-
 }  // namespace
 
 struct MoeBuffer::Impl {
@@ -374,13 +369,10 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   // nvfp4's per-tensor scale covers this rank's whole x.
   float gscale = 1.0f;
   if (cfg.format == PayloadFormat::kNvfp4) {
-    BlockAmax a;
-    for (size_t t = 0; t < tokens; ++t) {
-      const char* r = static_cast<const char*>(x) + t * H * im.es;
-      a = mergeAmax(a, cfg.dtype == DataType::kFloat32
-                           ? blockAmax(reinterpret_cast<const float*>(r), static_cast<int>(H))
-                           : blockAmax(reinterpret_cast<const BFloat16*>(r), static_cast<int>(H)));
-    }
+    // One vectorized pass over the tensor (host_codec.h; the same amax as blockAmax per row).
+    const BlockAmax a = cfg.dtype == DataType::kFloat32
+                            ? tensorAmaxHost(static_cast<const float*>(x), tokens * H)
+                            : tensorAmaxHost(static_cast<const BFloat16*>(x), tokens * H);
     gscale = nvfp4GlobalScale(a);
   }
 
@@ -845,13 +837,11 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
       const char* src = static_cast<const char*>(y) + static_cast<size_t>(rows[p]) * H * yes;
       float w = weights ? weights[rows[p]] : 1.0f;
       float* dst = slot + p * H;
-      if (y_type == DataType::kFloat32) {
-        const auto* yf = reinterpret_cast<const float*>(src);
-        for (size_t c = 0; c < H; ++c) dst[c] = yf[c] * w;
-      } else {
-        const auto* yb = reinterpret_cast<const BFloat16*>(src);
-        for (size_t c = 0; c < H; ++c) dst[c] = yb[c].toFloat() * w;
-      }
+      // Row kernels of host_codec.h: the plain loop's results, vectorized (moe.cc is -O2).
+      if (y_type == DataType::kFloat32)
+        scaleRowHost(dst, reinterpret_cast<const float*>(src), w, H);
+      else
+        scaleRowHost(dst, reinterpret_cast<const BFloat16*>(src), w, H);
     }
     if (f != im.rank) {
       im.cbuf->putSignal(f, kCombineData);
@@ -912,8 +902,7 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   acc16.resize(wire16 ? nf * H * 2 : 0);
   auto reduce = [&](size_t i) {
     float* a = acc.data() + i * H;
-    for (size_t q = first[i]; q < first[i + 1]; ++q)
-      for (size_t c = 0; c < H; ++c) a[c] += contrib[q][c];
+    for (size_t q = first[i]; q < first[i + 1]; ++q) addRowHost(a, contrib[q], H);
   };
   std::vector<RequestPtr> sends;
   size_t rounds = 0;
@@ -929,8 +918,7 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
       const void* src = acc.data() + (h.fwd_start[m] + lo) * H;
       if (wire16) {
         auto* b = reinterpret_cast<BFloat16*>(acc16.data()) + (h.fwd_start[m] + lo) * H;
-        for (size_t e = 0; e < (hi - lo) * H; ++e)
-          b[e] = BFloat16::fromFloat(acc[(h.fwd_start[m] + lo) * H + e]);
+        roundRowHost(b, acc.data() + (h.fwd_start[m] + lo) * H, (hi - lo) * H);
         src = b;
       }
       clk.lap("reduce");
@@ -967,10 +955,9 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
       if (own || !wire16) {
         const float* s = own ? acc.data() + (h.fwd_start[m] + i) * H
                              : reinterpret_cast<const float*>(back[m].data()) + i * H;
-        for (size_t c = 0; c < H; ++c) o[c] += s[c];
+        addRowHost(o, s, H);
       } else {
-        const auto* s = reinterpret_cast<const BFloat16*>(back[m].data()) + i * H;
-        for (size_t c = 0; c < H; ++c) o[c] += s[c].toFloat();
+        addRowHost(o, reinterpret_cast<const BFloat16*>(back[m].data()) + i * H, H);
       }
     }
   }
@@ -988,11 +975,16 @@ CombineResult MoeBuffer::combineExpertMajor(const void* y, DataType y_type, cons
   if (!d.handle) throw InvalidArgument(impl_->ctx("moe combine") + "the dispatch result has no handle");
   const size_t yes = elementSize(y_type);
   std::vector<float> rows(d.num_recv * H, 0.0f);
+  std::vector<float> scaled(H);  // y * w rounded to f32, then added: o += y * w without FMA
   for (size_t r = 0; r < d.expert_rows.size(); ++r) {
     const char* src = static_cast<const char*>(y) + r * H * yes;
     float w = weights ? weights[r] : 1.0f;
     float* o = rows.data() + static_cast<size_t>(d.expert_rows[r]) * H;
-    for (size_t c = 0; c < H; ++c) o[c] += loadAsFloat(src, y_type, c) * w;
+    if (y_type == DataType::kFloat32)
+      scaleRowHost(scaled.data(), reinterpret_cast<const float*>(src), w, H);
+    else
+      scaleRowHost(scaled.data(), reinterpret_cast<const BFloat16*>(src), w, H);
+    addRowHost(o, scaled.data(), H);
   }
   return combine(rows.data(), DataType::kFloat32, *d.handle);
 }
