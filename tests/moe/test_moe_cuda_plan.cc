@@ -4,14 +4,16 @@
 // expert ids (capacity drops included), per-expert counts, expert-major index, byte counts
 // and dedup metrics. The forwarding lists must be consistent across ranks: what forwarder f
 // writes to rank d is what d expects from f. Topologies 1x1, 1x2, 1x4, 2x2 (virtual nodes).
-// Then the executor's data movement is emulated on the CPU with the plan's and the sum
-// kernels' index arrays (cudaMoeSumIndex), in the kernels' order of operations, over host
-// p2p: the received rows and the plain, weighted and expert-major combines must equal the
-// host executor's bit for bit.
+// Then the executor's data movement is emulated on the CPU with the plan's and the kernels'
+// index arrays (cudaMoeSumIndex, cudaMoeForwardPhases), in the executor's order of operations
+// (several nodes: own rows forwarded / summed while the network phase is in flight), over
+// host p2p: the received rows and the plain, weighted and expert-major combines must equal
+// the host executor's bit for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "collectives/float_types.h"
 #include "collectives/moe/cuda/moe_cuda_plan.h"
@@ -56,27 +58,52 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
   const size_t slot_floats = static_cast<size_t>(t.N) * cfg.max_tokens * H;
   const CudaMoeSumIndex sx = cudaMoeSumIndex(p, slot_floats, H);
   const Deadline dl = comm.defaultDeadline();
-  // Dispatch: F = own block + the remote nodes' blocks (NCCL in the executor).
-  std::vector<uint8_t> F(sx.nf * xrow);
+  // Dispatch, in the executor's order with several nodes: the remote nodes' blocks of F
+  // arrive over the network (NCCL on the executor's second stream) while the own block's rows
+  // are delivered to the local ranks (phase 0); the network's rows go after the join (phase
+  // 1). F's remote blocks hold garbage until the network is done, so a phase-0 row that
+  // needed the network would show up in the received rows.
+  const CudaMoeForwardPhases ph = cudaMoeForwardPhases(p, p.fwd_count[t.me_node]);
+  EXPECT_EQ(p.fwd_start[t.me_node], 0u) << "the own block is F's first";
+  std::vector<uint8_t> F(sx.nf * xrow, 0xFF);
   {
     auto own = gather(x.data(), p.node_send[t.me_node], xrow);
     std::memcpy(F.data() + p.fwd_start[t.me_node] * xrow, own.data(), own.size());
   }
-  std::vector<std::vector<uint8_t>> keep(t.N);
-  std::vector<RequestPtr> reqs;
+  std::vector<std::vector<uint8_t>> keep(t.N), net_in(t.N);
+  std::vector<RequestPtr> reqs, net;
   for (int m = 0; m < t.N; ++m) {
     if (m == t.me_node) continue;
     const int peer = t.node_ranks[m][t.me_local];
     keep[m] = gather(x.data(), p.node_send[m], xrow);
-    reqs.push_back(comm.isend(keep[m].data(), keep[m].size(), peer, tag + 2));
-    reqs.push_back(comm.irecv(F.data() + p.fwd_start[m] * xrow, p.fwd_count[m] * xrow, peer, tag + 2));
+    net_in[m].resize(p.fwd_count[m] * xrow);
+    net.push_back(comm.isend(keep[m].data(), keep[m].size(), peer, tag + 2));
+    net.push_back(comm.irecv(net_in[m].data(), net_in[m].size(), peer, tag + 2));
   }
-  comm.waitAll(reqs, dl);
-  reqs.clear();
-  // Within the node: F rows fwd_to_local[j] into local rank j's slot; decoded to recv_rows.
   std::vector<std::vector<uint8_t>> out_to(t.L), in_from(t.L);
+  auto forward = [&](int phase) {
+    for (int j = 0; j < t.L; ++j) {
+      ASSERT_EQ(ph.src[phase][j].size(), ph.pos[phase][j].size());
+      for (size_t q = 0; q < ph.src[phase][j].size(); ++q) {
+        EXPECT_EQ(phase == 0, static_cast<size_t>(ph.src[phase][j][q]) < p.fwd_count[t.me_node]);
+        std::memcpy(out_to[j].data() + ph.pos[phase][j][q] * xrow, F.data() + ph.src[phase][j][q] * xrow, xrow);
+      }
+    }
+  };
   for (int j = 0; j < t.L; ++j) {
-    out_to[j] = gather(F.data(), p.fwd_to_local[j], xrow);
+    out_to[j].assign(p.fwd_to_local[j].size() * xrow, 0xEE);
+    EXPECT_EQ(ph.src[0][j].size() + ph.src[1][j].size(), p.fwd_to_local[j].size()) << "local rank " << j;
+  }
+  forward(0);
+  comm.waitAll(net, dl);
+  for (int m = 0; m < t.N; ++m)
+    if (m != t.me_node) std::memcpy(F.data() + p.fwd_start[m] * xrow, net_in[m].data(), net_in[m].size());
+  forward(1);
+  // Every slot position written once, with the row fwd_to_local says.
+  for (int j = 0; j < t.L; ++j)
+    EXPECT_EQ(out_to[j], gather(F.data(), p.fwd_to_local[j], xrow)) << "forwarding phases to local rank " << j;
+  // Within the node: each local rank's slot for us, decoded to recv_rows.
+  for (int j = 0; j < t.L; ++j) {
     if (t.localRank(j) == t.rank) {
       in_from[j] = out_to[j];
       continue;
@@ -111,13 +138,20 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
     }
     comm.waitAll(reqs, dl);
     reqs.clear();
-    std::vector<float> acc(sx.nf * H);
-    for (size_t i = 0; i < sx.nf; ++i)
-      for (size_t c = 0; c < H; ++c) {
-        float a = 0.0f;
-        for (int32_t q = sx.c_first[i]; q < sx.c_first[i + 1]; ++q) a += cb[sx.c_offs[q] + c];
-        acc[i * H + c] = a;
-      }
+    // The forwarder's sums in the executor's order: the other nodes' rows (F rows >= own)
+    // first, sent while the own rows are summed. acc starts as NaN: a row sent before its sum
+    // would poison the result.
+    const size_t own = p.fwd_count[t.me_node];
+    std::vector<float> acc(sx.nf * H, std::numeric_limits<float>::quiet_NaN());
+    auto sumRows = [&](size_t from, size_t to) {
+      for (size_t i = from; i < to; ++i)
+        for (size_t c = 0; c < H; ++c) {
+          float a = 0.0f;
+          for (int32_t q = sx.c_first[i]; q < sx.c_first[i + 1]; ++q) a += cb[sx.c_offs[q] + c];
+          acc[i * H + c] = a;
+        }
+    };
+    sumRows(own, sx.nf);
     std::vector<std::vector<float>> back(t.N);
     for (int m = 0; m < t.N; ++m) {
       if (m == t.me_node) continue;
@@ -126,6 +160,7 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
       reqs.push_back(comm.isend(acc.data() + p.fwd_start[m] * H, p.fwd_count[m] * H * 4, peer, ctag + 1));
       reqs.push_back(comm.irecv(back[m].data(), back[m].size() * 4, peer, ctag + 1));
     }
+    sumRows(0, own);
     comm.waitAll(reqs, dl);
     reqs.clear();
     std::vector<float> out(p.tokens * H);

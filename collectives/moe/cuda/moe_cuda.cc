@@ -71,10 +71,22 @@ struct CudaMoeHandle {
   // combineExpertMajor: expert-major rows of received row i are em_idx[em_first[i] .. em_first[i+1]).
   const int32_t *em_first = nullptr, *em_idx = nullptr;
   size_t nf = 0;
+  // Several nodes: the forwarding split into the rows sent before / after the network phase
+  // (cudaMoeForwardPhases); fwd_src / fwd_pos [phase][local j] are device copies of phases.
+  CudaMoeForwardPhases phases;
+  std::vector<const int32_t*> fwd_src[2], fwd_pos[2];
 };
 
 size_t handleNumRecv(const CudaMoeHandle& h) {
   return h.plan.num_recv;
+}
+
+size_t handleTokens(const CudaMoeHandle& h) {
+  return h.plan.tokens;
+}
+
+DeviceStorage handleStorage(const CudaMoeHandle& h) {
+  return h.mem;
 }
 
 struct CudaMoeBuffer::Impl {
@@ -92,6 +104,11 @@ struct CudaMoeBuffer::Impl {
   std::unique_ptr<CudaCollectives> coll;  // NCCL across nodes (N > 1)
   cudaEvent_t event = nullptr;
   cudaEvent_t last_call = nullptr;  // recorded at the end of every call (the destructor waits for it)
+  // Several nodes: the network phase's stream, forked from the caller's stream (fork) and
+  // joined back (join) within each call.
+  cudaStream_t net_stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+  DeviceAllocator allocate;
   uint64_t dispatches = 0, combines = 0, calls = 0;
   std::string last_op = "none";
 
@@ -120,6 +137,29 @@ struct CudaMoeBuffer::Impl {
   }
 
   std::shared_ptr<const CudaMoeHandle> makeHandle(CudaMoePlan plan, const void* owner, cudaStream_t s);
+
+  // Per-call device memory for work on `s` (Options::allocate, or cudaMalloc).
+  DeviceStorage allocOut(size_t bytes, cudaStream_t s, const char* what) const {
+    if (bytes == 0) return nullptr;
+    if (!allocate) return deviceAlloc(bytes, device, what);
+    DeviceStorage p = allocate(bytes, s);
+    if (!p)
+      throw CudaError(ctx("moe") + fmt::format("the buffer's allocator returned no memory for {} ({} bytes)", what,
+                                               bytes),
+                      {});
+    return p;
+  }
+  // The network stream starts after the work queued on `s` so far ...
+  void forkNet(cudaStream_t s, const char* op) const {
+    sys::checkCuda(cudaEventRecord(fork, s), std::string(op) + ": cudaEventRecord (fork)", device);
+    sys::checkCuda(cudaStreamWaitEvent(net_stream, fork, 0), std::string(op) + ": cudaStreamWaitEvent (fork)",
+                    device);
+  }
+  // ... and `s` continues past this point once the network stream's work is done.
+  void joinNet(cudaStream_t s, const char* op) const {
+    sys::checkCuda(cudaEventRecord(join, net_stream), std::string(op) + ": cudaEventRecord (join)", device);
+    sys::checkCuda(cudaStreamWaitEvent(s, join, 0), std::string(op) + ": cudaStreamWaitEvent (join)", device);
+  }
 };
 
 std::shared_ptr<const CudaMoeHandle> CudaMoeBuffer::Impl::makeHandle(CudaMoePlan plan, const void* owner,
@@ -160,6 +200,15 @@ std::shared_ptr<const CudaMoeHandle> CudaMoeBuffer::Impl::makeHandle(CudaMoePlan
   const size_t p_ef = reserve(em_first.size() * 4), p_ei = reserve(em_idx.size() * 4);
   const size_t p_cf = reserve(c_first.size() * 4), p_co = reserve(c_offs.size() * 8);
   const size_t p_tf = reserve(t_first.size() * 4), p_ts = reserve(t_src.size() * 8);
+  std::vector<size_t> ph_src[2], ph_pos[2];
+  if (topo.N > 1) {
+    h->phases = cudaMoeForwardPhases(p, p.fwd_count[topo.me_node]);
+    for (int ph = 0; ph < 2; ++ph)
+      for (int j = 0; j < topo.L; ++j) {
+        ph_src[ph].push_back(reserve(h->phases.src[ph][j].size() * 4));
+        ph_pos[ph].push_back(reserve(h->phases.pos[ph][j].size() * 4));
+      }
+  }
 
   h->host_blob.assign(total, 0);
   for (int m = 0; m < topo.N; ++m) put(ns[m], p.node_send[m].data());
@@ -176,7 +225,12 @@ std::shared_ptr<const CudaMoeHandle> CudaMoeBuffer::Impl::makeHandle(CudaMoePlan
   put(p_co, c_offs.data());
   put(p_tf, t_first.data());
   put(p_ts, t_src.data());
-  h->mem = deviceAlloc(total, device, "routing indices");
+  for (int ph = 0; ph < 2; ++ph)
+    for (size_t j = 0; j < ph_src[ph].size(); ++j) {
+      put(ph_src[ph][j], h->phases.src[ph][j].data());
+      put(ph_pos[ph][j], h->phases.pos[ph][j].data());
+    }
+  h->mem = allocOut(total, s, "routing indices");
   if (total)
     sys::checkCuda(cudaMemcpyAsync(h->mem.get(), h->host_blob.data(), total, cudaMemcpyHostToDevice, s),
                     "moe dispatch: upload of the routing indices", device);
@@ -199,6 +253,11 @@ std::shared_ptr<const CudaMoeHandle> CudaMoeBuffer::Impl::makeHandle(CudaMoePlan
   h->c_offs = i64(p_co);
   h->t_first = i32(p_tf);
   h->t_src = i64(p_ts);
+  for (int ph = 0; ph < 2; ++ph)
+    for (size_t j = 0; j < ph_src[ph].size(); ++j) {
+      h->fwd_src[ph].push_back(i32(ph_src[ph][j]));
+      h->fwd_pos[ph].push_back(i32(ph_pos[ph][j]));
+    }
   return h;
 }
 
@@ -218,6 +277,9 @@ CudaMoeBuffer::~CudaMoeBuffer() {
   cudaGetLastError();
   cudaEventDestroy(impl_->event);
   cudaEventDestroy(impl_->last_call);
+  if (impl_->fork) cudaEventDestroy(impl_->fork);
+  if (impl_->join) cudaEventDestroy(impl_->join);
+  if (impl_->net_stream) cudaStreamDestroy(impl_->net_stream);
 }
 const MoeConfig& CudaMoeBuffer::config() const {
   return impl_->cfg;
@@ -250,6 +312,7 @@ std::unique_ptr<CudaMoeBuffer> CudaMoeBuffer::create(std::shared_ptr<Communicato
   }
   sys::ensureContext(dev, op);
   im->device = dev;
+  im->allocate = std::move(options.allocate);
   im->comm = comm->dup();
   const size_t H = cfg.hidden, N = static_cast<size_t>(im->topo.N), L = static_cast<size_t>(im->topo.L);
   const size_t row = im->fmt.row;
@@ -282,6 +345,9 @@ std::unique_ptr<CudaMoeBuffer> CudaMoeBuffer::create(std::shared_ptr<Communicato
     // NCCL is created lazily by its first operation, collectively: do it here, where every
     // rank takes part (a dispatch may give a rank nothing to send or receive).
     im->coll->barrier(nullptr)->wait(im->deadline());
+    sys::checkCuda(cudaStreamCreateWithFlags(&im->net_stream, cudaStreamNonBlocking), "moe: cudaStreamCreate", dev);
+    sys::checkCuda(cudaEventCreateWithFlags(&im->fork, cudaEventDisableTiming), "moe: cudaEventCreate", dev);
+    sys::checkCuda(cudaEventCreateWithFlags(&im->join, cudaEventDisableTiming), "moe: cudaEventCreate", dev);
   }
   im->scalars = deviceAlloc(16, dev, "scales");
   im->d_gscale = static_cast<float*>(im->scalars.get());
@@ -366,52 +432,63 @@ CudaDispatchResult CudaMoeBuffer::dispatch(const void* x, size_t tokens, const i
     cuda::copyRows(x, xrow, nullptr, enc + f.off_payload, row, nullptr, xrow, tokens, stream);
   }
 
-  // 2. the own node's rows are the first block of F; 3. the other nodes' come over NCCL.
-  cuda::copyRows(enc, row, h->node_send[t.me_node], fbuf, row, nullptr, row, p.node_send[t.me_node].size(), stream);
+  // 2. the other nodes' rows go over NCCL on the network stream (joined back in step 4) ...
   if (t.N > 1) {
+    im.forkNet(stream, op);
     for (int m = 0; m < t.N; ++m)
       if (m != t.me_node)
         cuda::copyRows(enc, row, h->node_send[m], im.bytes(im.nsend) + m * cfg.max_tokens * row, row, nullptr, row,
-                       p.node_send[m].size(), stream);
+                       p.node_send[m].size(), im.net_stream);
     im.coll->groupStart();
     for (int m = 0; m < t.N; ++m) {
       if (m == t.me_node) continue;
       const int peer = t.node_ranks[m][t.me_local];
       if (!p.node_send[m].empty())
         im.coll->send(im.bytes(im.nsend) + m * cfg.max_tokens * row, p.node_send[m].size() * row, DataType::kUInt8,
-                      peer, 0, stream);
+                      peer, 0, im.net_stream);
       if (p.fwd_count[m] > 0)
-        im.coll->recv(fbuf + p.fwd_start[m] * row, p.fwd_count[m] * row, DataType::kUInt8, peer, 0, stream);
+        im.coll->recv(fbuf + p.fwd_start[m] * row, p.fwd_count[m] * row, DataType::kUInt8, peer, 0, im.net_stream);
     }
     im.coll->groupEnd();
   }
+  // 3. ... while the own node's rows, the first block of F, are forwarded on `stream`.
+  cuda::copyRows(enc, row, h->node_send[t.me_node], fbuf, row, nullptr, row, p.node_send[t.me_node].size(), stream);
 
-  // 4. forward: each F row once into every local destination's slot for this forwarder.
+  // 4. forward: each F row once into every local destination's slot for this forwarder; with
+  // several nodes the own rows first (phase 0), the network's rows after the join (phase 1).
   for (int j = 0; j < t.L; ++j)
     if (t.localRank(j) != t.rank && im.dispatches > 0)
       sys::streamWaitSignal(*im.dbuf, t.localRank(j), kDispatchAck, stream);
-  for (int j = 0; j < t.L; ++j) {
-    const int d = t.localRank(j);
-    char* slot = im.dbuf->peer<char>(d, static_cast<size_t>(t.me_local) * im.dslot);
-    cuda::copyRows(fbuf, row, h->fwd_to_local[j], slot, row, nullptr, row, p.fwd_to_local[j].size(), stream);
-    if (d != t.rank) sys::streamPutSignal(*im.dbuf, d, kDispatchData, stream);
+  auto slotOf = [&](int j) { return im.dbuf->peer<char>(t.localRank(j), static_cast<size_t>(t.me_local) * im.dslot); };
+  if (t.N > 1) {
+    for (int ph = 0; ph < 2; ++ph) {
+      if (ph == 1) im.joinNet(stream, op);
+      for (int j = 0; j < t.L; ++j)
+        cuda::copyRows(fbuf, row, h->fwd_src[ph][j], slotOf(j), row, h->fwd_pos[ph][j], row,
+                       h->phases.src[ph][j].size(), stream);
+    }
+  } else {
+    for (int j = 0; j < t.L; ++j)
+      cuda::copyRows(fbuf, row, h->fwd_to_local[j], slotOf(j), row, nullptr, row, p.fwd_to_local[j].size(), stream);
   }
+  for (int j = 0; j < t.L; ++j)
+    if (t.localRank(j) != t.rank) sys::streamPutSignal(*im.dbuf, t.localRank(j), kDispatchData, stream);
   for (int j = 0; j < t.L; ++j)
     if (t.localRank(j) != t.rank) sys::streamWaitSignal(*im.dbuf, t.localRank(j), kDispatchData, stream);
 
   // 5. receive: decode every forwarder's slot into (source rank, token) order.
   const size_t n = p.num_recv;
   res.num_recv = n;
-  DeviceStorage x_out = deviceAlloc(n * xrow, im.device, "received tokens");
-  DeviceStorage w_out = deviceAlloc(n * k * 4, im.device, "received weights");
+  DeviceStorage x_out = im.allocOut(n * xrow, stream, "received tokens");
+  DeviceStorage w_out = im.allocOut(n * k * 4, stream, "received weights");
   res.x = x_out.get();
   res.topk_weights = static_cast<float*>(w_out.get());
   res.storage = {x_out, w_out, h->mem};
   const bool want_q = cfg.return_quantized && im.quantized();
   if (want_q) {
-    DeviceStorage qp = deviceAlloc(n * f.payload_bytes, im.device, "received payload");
-    DeviceStorage qs = deviceAlloc(n * f.scale_bytes, im.device, "received scales");
-    DeviceStorage qg = deviceAlloc(n * 4, im.device, "received global scales");
+    DeviceStorage qp = im.allocOut(n * f.payload_bytes, stream, "received payload");
+    DeviceStorage qs = im.allocOut(n * f.scale_bytes, stream, "received scales");
+    DeviceStorage qg = im.allocOut(n * 4, stream, "received global scales");
     res.q_payload = static_cast<uint8_t*>(qp.get());
     res.q_scales = static_cast<uint8_t*>(qs.get());
     res.q_global_scale = static_cast<float*>(qg.get());
@@ -448,12 +525,12 @@ CudaDispatchResult CudaMoeBuffer::dispatch(const void* x, size_t tokens, const i
 
   // 6. expert-major view.
   const size_t ne = p.expert_major.rows.size();
-  DeviceStorage ew = deviceAlloc(ne * 4, im.device, "expert-major weights");
+  DeviceStorage ew = im.allocOut(ne * 4, stream, "expert-major weights");
   res.expert_weights = static_cast<float*>(ew.get());
   res.storage.push_back(ew);
   cuda::gatherFloats(res.topk_weights, h->expert_slots, res.expert_weights, ne, stream);
   if (cfg.expert_major_copy) {
-    DeviceStorage xe = deviceAlloc(ne * xrow, im.device, "expert-major tokens");
+    DeviceStorage xe = im.allocOut(ne * xrow, stream, "expert-major tokens");
     res.x_expert_major = xe.get();
     res.storage.push_back(xe);
     cuda::copyRows(res.x, xrow, h->expert_rows, res.x_expert_major, xrow, nullptr, xrow, ne, stream);
@@ -507,31 +584,40 @@ CudaCombineResult CudaMoeBuffer::combine(const void* y, DataType y_type, const C
   // 2. as forwarder: sum the node's contributions per F row (local-rank order).
   for (int j = 0; j < t.L; ++j)
     if (t.localRank(j) != t.rank) sys::streamWaitSignal(*im.cbuf, t.localRank(j), kCombineData, stream);
+  // The other nodes' rows (F rows >= own) first: their sums go out (step 3) while the own
+  // node's rows are summed. Every row's sum is the same kernel arithmetic either way.
   float* acc = static_cast<float*>(im.acc.get());
   auto* acc16 = static_cast<uint16_t*>(im.acc16.get());
-  cuda::sumRows(im.cbuf->local<float>(), h.c_offs, h.c_first, h.nf, H, acc, acc16, p.fwd_count[t.me_node], stream);
-  for (int j = 0; j < t.L; ++j)
-    if (t.localRank(j) != t.rank) sys::streamPutSignal(*im.cbuf, t.localRank(j), kCombineAck, stream);
-  ++im.combines;
-  // 3. partial sums cross the network once per node (f32, or bf16 with combine_wire).
+  const size_t own = p.fwd_count[t.me_node];
+  cuda::sumRows(im.cbuf->local<float>(), h.c_offs, h.c_first + own, h.nf - own, H, acc + own * H,
+                acc16 ? acc16 + own * H : nullptr, 0, stream);
+  // 3. partial sums cross the network once per node (f32, or bf16 with combine_wire), on the
+  // network stream (joined back before step 4).
   const uint8_t* wire = ws == 2 ? static_cast<const uint8_t*>(im.acc16.get()) : static_cast<const uint8_t*>(im.acc.get());
   if (t.N > 1) {
+    im.forkNet(stream, op);
     im.coll->groupStart();
     for (int m = 0; m < t.N; ++m) {
       if (m == t.me_node) continue;
       const int peer = t.node_ranks[m][t.me_local];
       if (p.fwd_count[m] > 0) {
-        im.coll->send(wire + p.fwd_start[m] * H * ws, p.fwd_count[m] * H * ws, DataType::kUInt8, peer, 0, stream);
+        im.coll->send(wire + p.fwd_start[m] * H * ws, p.fwd_count[m] * H * ws, DataType::kUInt8, peer, 0,
+                      im.net_stream);
         res.metrics.inter_node_bytes += p.fwd_count[m] * H * ws;
       }
       if (!p.node_send[m].empty())
         im.coll->recv(im.bytes(im.back) + m * im.cfg.max_tokens * H * ws, p.node_send[m].size() * H * ws,
-                      DataType::kUInt8, peer, 0, stream);
+                      DataType::kUInt8, peer, 0, im.net_stream);
     }
     im.coll->groupEnd();
   }
+  cuda::sumRows(im.cbuf->local<float>(), h.c_offs, h.c_first, own, H, acc, nullptr, own, stream);
+  for (int j = 0; j < t.L; ++j)
+    if (t.localRank(j) != t.rank) sys::streamPutSignal(*im.cbuf, t.localRank(j), kCombineAck, stream);
+  ++im.combines;
+  if (t.N > 1) im.joinNet(stream, op);
   // 4. as source: the nodes' partials per token, in node order.
-  DeviceStorage out = deviceAlloc(p.tokens * H * 4, im.device, "combined tokens");
+  DeviceStorage out = im.allocOut(p.tokens * H * 4, stream, "combined tokens");
   res.out = static_cast<float*>(out.get());
   res.storage = out;
   cuda::sumPartials(h.t_src, h.t_first, p.tokens, H, t.me_node, acc, p.fwd_start[t.me_node], im.back.get(), ws == 2,
@@ -554,13 +640,16 @@ CudaCombineResult CudaMoeBuffer::combineExpertMajor(const void* y, DataType y_ty
   if (!h.plan.expert_major.rows.empty() && !y) throw InvalidArgument(im.ctx(op) + "y is null");
   sys::checkCuda(cudaSetDevice(im.device), std::string(op) + ": cudaSetDevice", im.device);
   // Rows of one token summed here (expert-major order, f32), then the usual combine.
-  DeviceStorage rows = deviceAlloc(h.plan.num_recv * im.cfg.hidden * 4, im.device, "expert-major sums");
+  DeviceStorage rows = im.allocOut(h.plan.num_recv * im.cfg.hidden * 4, stream, "expert-major sums");
   cuda::sumScaledRows(y, y_type, weights, h.em_first, h.em_idx, h.plan.num_recv, im.cfg.hidden,
                       static_cast<float*>(rows.get()), stream);
   CudaCombineResult res = combine(rows.get(), DataType::kFloat32, h, stream);
-  // Work still queued reads `rows`: the result owns it (freed with the result, like `out`).
-  DeviceStorage out = res.storage;
-  res.storage = DeviceStorage(out.get(), [out, rows](void*) {});
+  // Work still queued reads `rows`. A caller's allocator frees stream-ordered (DeviceAllocator):
+  // `rows` may go now. cudaFree would synchronize the device: the result owns it then.
+  if (!im.allocate) {
+    DeviceStorage out = res.storage;
+    res.storage = DeviceStorage(out.get(), [out, rows](void*) {});
+  }
   return res;
 }
 

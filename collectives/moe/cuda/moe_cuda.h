@@ -29,16 +29,24 @@
 // work. The GPU waits on signals without a deadline: use synchronize() (or your own event
 // with a deadline) to bound it.
 //
+// Several nodes: the NCCL phase runs on an internal second stream, forked from and joined
+// back into `stream` within the call (events), so that the intra-node delivery of the own
+// node's tokens (dispatch) and the sum of the own node's rows (combine) overlap the network;
+// each call's work is complete once `stream` has reached its end, as before.
+//
 // Every call is collective, in the same order on every rank; one stream at a time per buffer
 // (calls on different streams must be ordered by the caller). Results are device memory
-// owned by the result object (freed with cudaFree when it goes away, which synchronizes the
-// device); they are valid once `stream` has reached the call.
+// owned by the result object, valid once `stream` has reached the call. They come from
+// Options::allocate (default: cudaMalloc, freed with cudaFree when the result goes away, which
+// synchronizes the device; a stream-ordered allocator such as torch's caching allocator
+// avoids that, see torch_backend/bind_moe.cc).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -49,8 +57,13 @@ namespace crossbar::moe {
 
 struct CudaMoeHandle;
 
-// Device memory freed with cudaFree when the last owner goes away.
+// Device memory, released by its deleter when the last owner goes away.
 using DeviceStorage = std::shared_ptr<void>;
+// Per-call device memory (results, a dispatch's routing indices, combine temporaries) of
+// `bytes` (> 0) for work enqueued on `stream`; must stay valid until the storage's last owner
+// goes away and the stream has passed the work that uses it (stream-ordered allocators free
+// into the allocating stream, which is `stream`). Null: cudaMalloc / cudaFree.
+using DeviceAllocator = std::function<DeviceStorage(size_t bytes, cudaStream_t stream)>;
 
 struct CudaDispatchResult {
   size_t num_recv = 0;
@@ -83,6 +96,7 @@ class CudaMoeBuffer {
  public:
   struct Options {
     int device = -1;  // CUDA device of this rank; -1: the current device
+    DeviceAllocator allocate;  // per-call device memory (see DeviceAllocator); null: cudaMalloc
   };
   // Collective. InvalidArgument for a bad config (as MoeBuffer), Unsupported without a CUDA
   // device / driver, more than 8 ranks per node, or a heap that cannot map the peers' GPU
@@ -131,5 +145,9 @@ class CudaMoeBuffer {
 };
 
 size_t handleNumRecv(const CudaMoeHandle& handle);
+size_t handleTokens(const CudaMoeHandle& handle);  // tokens of the dispatch (rows of combine's out)
+// The device memory of a handle's routing indices (src_rank, src_token, topk_idx, expert_rows
+// of its dispatch point into it); every combine with the handle reads it on its stream.
+DeviceStorage handleStorage(const CudaMoeHandle& handle);
 
 }  // namespace crossbar::moe

@@ -140,6 +140,23 @@ CudaMoePlan exchangeCudaMoePlan(Communicator& comm, const MoeTopology& t, const 
   return p;
 }
 
+CudaMoeForwardPhases cudaMoeForwardPhases(const CudaMoePlan& p, size_t own_rows) {
+  CudaMoeForwardPhases x;
+  x.own_rows = own_rows;
+  for (int ph = 0; ph < 2; ++ph) {
+    x.src[ph].resize(p.fwd_to_local.size());
+    x.pos[ph].resize(p.fwd_to_local.size());
+  }
+  for (size_t j = 0; j < p.fwd_to_local.size(); ++j)
+    for (size_t q = 0; q < p.fwd_to_local[j].size(); ++q) {
+      const int32_t f = p.fwd_to_local[j][q];
+      const int ph = static_cast<size_t>(f) < own_rows ? 0 : 1;
+      x.src[ph][j].push_back(f);
+      x.pos[ph][j].push_back(static_cast<int32_t>(q));
+    }
+  return x;
+}
+
 CudaMoeSumIndex cudaMoeSumIndex(const CudaMoePlan& p, size_t slot_floats, size_t hidden) {
   CudaMoeSumIndex x;
   for (size_t c : p.fwd_count) x.nf += c;

@@ -54,6 +54,19 @@ struct CudaMoeSumIndex {
 };
 CudaMoeSumIndex cudaMoeSumIndex(const CudaMoePlan& plan, size_t slot_floats, size_t hidden);
 
+// Overlap of a dispatch's network and intra-node phases (several nodes): F's first `own_rows`
+// rows (the own node's tokens) need no network, so the forwarder writes them into the local
+// ranks' slots while NCCL is in flight (phase 0), the remote nodes' rows once it is done
+// (phase 1). For local rank j, F row src[ph][j][q] goes to slot position pos[ph][j][q]; the two
+// phases together are fwd_to_local[j] (F row fwd_to_local[j][q] at position q), each position
+// once. Combine mirrors it: the remote rows' sums (F rows >= own_rows) are computed first so
+// that they can go out while the own rows are summed.
+struct CudaMoeForwardPhases {
+  size_t own_rows = 0;
+  std::vector<std::vector<int32_t>> src[2], pos[2];  // [phase][local j]
+};
+CudaMoeForwardPhases cudaMoeForwardPhases(const CudaMoePlan& plan, size_t own_rows);
+
 // Collective over comm (same call order on every rank; uses tags [tag, tag + 2)).
 // topk_idx: host [tokens x topk].
 CudaMoePlan exchangeCudaMoePlan(Communicator& comm, const MoeTopology& topo, const MoeConfig& cfg,
