@@ -12,7 +12,7 @@
 //   moe_netns_bench [--nodes 2] [--ranks-per-node 2] [--tokens 512] [--hidden 7168]
 //                   [--experts 256] [--topk 8] [--max-nodes M] [--formats native,fp8]
 //                   [--rate auto|<tc rate, e.g. 2gbit>] [--queue-ms 200] [--iters 5] [--warmup 1]
-//                   [--combine-wire bf16|f32] [--no-netns] [--phases]
+//                   [--combine-wire bf16|f32] [--no-netns] [--phases] [--fresh-output]
 //
 // Every run first checks that both paths deliver the same tokens (bit for bit) and the same
 // combine sums (f32 tolerance); a mismatch exits 1. Times: the median over iterations of
@@ -61,6 +61,9 @@ struct Options {
   DataType combine_wire = DataType::kBFloat16;  // two-level combine's partials on the network
   bool netns = true;
   bool phases = false;  // print where the two-level time goes (MoeMetrics::phases)
+  // Two-level dispatch into a fresh result every call instead of recycling the previous
+  // iteration's (MoeBuffer::dispatch's `recycle`): shows the page-fault cost of a new x.
+  bool fresh_output = false;
   std::vector<PayloadFormat> formats{PayloadFormat::kNative, PayloadFormat::kFp8};
 };
 
@@ -385,7 +388,7 @@ class FlatAllToAll {
 // Phases of MoeBuffer's dispatch / combine (MoeMetrics::phases), in call order.
 const std::vector<const char*> kDispatchPhases{"layout",     "encode",     "post",  "wait ack",
                                                "forward",    "wait net",   "wait sends", "wait local",
-                                               "order",      "decode",     "expert major"};
+                                               "order",      "alloc",      "decode",     "expert major"};
 const std::vector<const char*> kCombinePhases{"wait ack", "write",    "post", "wait local",
                                               "reduce",   "wait net", "sum",  "wait sends"};
 
@@ -475,10 +478,11 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
   print(
       fmt::format("# moe_netns_bench: {} nodes x {} ranks, {}; {} experts, top-{}, max nodes/token {}, "
                   "{} tokens/rank, hidden {}, two-level combine partials {}, row-major output (no "
-                  "expert-major copy, like flat)\n",
+                  "expert-major copy, like flat), {} two-level output buffers\n",
                   comm->numNodes(), comm->localSize(), link, E, o.topk,
                   o.max_nodes > 0 ? std::to_string(o.max_nodes) : std::string("no limit"), o.tokens, o.hidden,
-                  o.combine_wire == DataType::kFloat32 ? "f32" : "bf16"));
+                  o.combine_wire == DataType::kFloat32 ? "f32" : "bf16",
+                  o.fresh_output ? "fresh" : "recycled"));
   print(fmt::format("# {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10} {:>10}\n", "format",
                     "2l disp", "2l comb", "2l total", "flat disp", "flat comb", "flat total", "speedup",
                     "2l net MB", "flat MB"));
@@ -523,12 +527,13 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     std::vector<std::array<double, 4>> per_iter;
     double net2 = 0, netf = 0;
     std::vector<double> disp_phases, comb_phases;
+    DispatchResult spare;  // the previous iteration's dispatch result, recycled
     for (int it = 0; it < o.warmup + o.iters; ++it) {
       const bool timed = it >= o.warmup;
       comm->barrier();
       auto t0 = Clock::now();
-      DispatchResult d =
-          buf->dispatch(x.data(), o.tokens, routing.topk_idx.data(), routing.topk_weights.data());
+      DispatchResult d = buf->dispatch(x.data(), o.tokens, routing.topk_idx.data(), routing.topk_weights.data(),
+                                       nullptr, o.fresh_output ? nullptr : &spare);
       auto t1 = Clock::now();
       comm->barrier();
       auto t2 = Clock::now();
@@ -547,7 +552,10 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
       auto t6b = Clock::now();
       flat.combine(rec, y.data(), DataType::kBFloat16, routing.topk_weights.data());
       auto t7 = Clock::now();
-      if (!timed) continue;
+      if (!timed) {
+        spare = std::move(d);
+        continue;
+      }
       auto sec = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
       std::array<double, 4> it_t{sec(t0, t1), sec(t2, t3),
                                  sec(t4, t5) + sec(t6, t6b),  // decoding belongs to the flat dispatch
@@ -558,6 +566,7 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
       addPhases(c.metrics, kCombinePhases, comb_phases);
       net2 = static_cast<double>(d.metrics.inter_node_bytes + c.metrics.inter_node_bytes);
       netf = static_cast<double>(flat_disp_bytes + flat.networkBytes());
+      spare = std::move(d);
     }
     double t[4];
     for (int q = 0; q < 4; ++q) {
@@ -658,6 +667,8 @@ int main(int argc, char** argv) {
         o.netns = false;
       else if (a == "--phases")
         o.phases = true;
+      else if (a == "--fresh-output")
+        o.fresh_output = true;
       else if (a == "--formats") {
         o.formats.clear();
         for (auto& s : split(next())) {
@@ -674,7 +685,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr,
                      "usage: %s [--nodes N] [--ranks-per-node L] [--tokens T] [--hidden H] [--experts E] "
                      "[--topk k] [--max-nodes M] [--formats bf16,fp8,mxfp8] [--rate auto|2gbit] [--queue-ms ms] [--iters n] "
-                     "[--warmup n] [--combine-wire bf16|f32] [--no-netns] [--phases]\n",
+                     "[--warmup n] [--combine-wire bf16|f32] [--no-netns] [--phases] [--fresh-output]\n",
                      argv[0]);
         return a == "--help" || a == "-h" ? 0 : 2;
       }

@@ -332,7 +332,8 @@ void MoeBuffer::Impl::decodeRow(const uint8_t* rec, void* out) const {
 }
 
 DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* topk_idx,
-                                   const float* topk_weights, std::shared_ptr<const MoeHandle> cached) {
+                                   const float* topk_weights, std::shared_ptr<const MoeHandle> cached,
+                                   DispatchResult* recycle) {
   Impl& im = *impl_;
   const char* op = "moe dispatch";
   const auto& cfg = im.cfg;
@@ -349,6 +350,17 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
         im.ctx(op) + fmt::format("the cached handle was made for {} tokens, not {}", cached->tokens, tokens));
 
   DispatchResult res;
+  if (recycle) {
+    // Every byte of these is overwritten below, so their old contents may stay: resize()
+    // then only zero-fills (and faults in) growth past the recycled size.
+    res.x = std::move(recycle->x);
+    if (cfg.expert_major_copy) res.x_expert_major = std::move(recycle->x_expert_major);
+    if (cfg.return_quantized && im.quantized()) {
+      res.q_payload = std::move(recycle->q_payload);
+      res.q_scales = std::move(recycle->q_scales);
+    }
+    *recycle = DispatchResult{};
+  }
   PhaseClock clk(res.metrics.phases);
   auto h = std::make_shared<MoeHandle>();
   h->owner = this;
@@ -557,6 +569,8 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
                                                       cached->recv_rows[j].size()));
         h->recv_rows[j].assign(cnt, -1);
       }
+      clk.lap("decode");
+      // A fresh output's first touch faults its pages in (timed apart); a recycled one is resident.
       res.x.resize(n * H * im.es);
       rec_of.assign(n, nullptr);
       if (cfg.return_quantized && im.quantized()) {
@@ -564,6 +578,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
         res.q_scales.resize(n * im.scale_bytes);
         res.q_global_scale.resize(n);
       }
+      clk.lap("alloc");
       sized = true;
     }
     for (int j = 0; j < im.L; ++j) {
@@ -587,7 +602,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
         rec_of[i] = rec;
         h->recv_rows[j][s.decoded] = static_cast<int32_t>(i);
         im.decodeRow(rec, res.x.data() + i * H * im.es);
-        if (!res.q_payload.empty()) {
+        if (cfg.return_quantized && im.quantized()) {
           std::memcpy(res.q_payload.data() + i * im.payload_bytes, rec + im.off_payload, im.payload_bytes);
           std::memcpy(res.q_scales.data() + i * im.scale_bytes, rec + im.off_scales, im.scale_bytes);
           res.q_global_scale[i] = hd.global_scale;

@@ -136,9 +136,12 @@ class MoeBuffer {
 
   // Collective. x: [tokens x hidden] in config dtype; topk_idx/topk_weights: [tokens x topk]
   // (weights may be null: 1). With `cached` (a handle from an earlier dispatch of the same
-  // topk_idx) the layout step is skipped and the routing reused.
+  // topk_idx) the layout step is skipped and the routing reused. `recycle` (optional): an
+  // earlier result the caller is done with; its x / x_expert_major / q_* memory is reused
+  // for the new result (a fresh x of tens of MB costs page faults on every call, as much as
+  // decoding it) and it is left without them.
   DispatchResult dispatch(const void* x, size_t tokens, const int64_t* topk_idx, const float* topk_weights,
-                          std::shared_ptr<const MoeHandle> cached = nullptr);
+                          std::shared_ptr<const MoeHandle> cached = nullptr, DispatchResult* recycle = nullptr);
 
   // Collective. y: [handle's num_recv x hidden] of y_type (kBFloat16 or kFloat32), rows as
   // dispatch returned them; weights (optional, [num_recv]) scale each row. Sums in f32.

@@ -1,8 +1,10 @@
 // Chunked pipelining of MoE dispatch/combine: every chunk size (including sizes that differ
 // between ranks and sizes that do not divide the row counts) gives bit-identical dispatch and
-// combine results to the unpipelined run (chunk_tokens = 0), fresh and with a cached handle.
+// combine results to the unpipelined run (chunk_tokens = 0), fresh and with a cached handle,
+// also into recycled (stale, larger or smaller) output buffers.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "collectives/float_types.h"
@@ -54,9 +56,23 @@ Outcome runOnce(std::shared_ptr<Communicator> comm, MoeConfig cfg, size_t tokens
   auto buf = MoeBuffer::create(comm, cfg);
   Outcome o;
   std::shared_ptr<const MoeHandle> handle;
-  for (int pass = 0; pass < 2; ++pass) {  // pass 1: cached handle; must give the same again
-    DispatchResult d =
-        buf->dispatch(x.data(), tokens, routing.topk_idx.data(), routing.topk_weights.data(), handle);
+  DispatchResult prev;
+  // pass 1: cached handle; passes 2, 3: also recycling the previous result, whose buffers hold
+  // garbage and are larger (2) or smaller (3) than needed. Each must give the same again.
+  for (int pass = 0; pass < 4; ++pass) {
+    DispatchResult* recycle = nullptr;
+    if (pass >= 2) {
+      for (auto* v : {&prev.x, &prev.q_payload, &prev.q_scales}) {
+        v->resize(pass == 2 ? v->size() + 5 : v->size() / 2);
+        std::fill(v->begin(), v->end(), static_cast<uint8_t>(0xA5));
+      }
+      recycle = &prev;
+    }
+    DispatchResult d = buf->dispatch(x.data(), tokens, routing.topk_idx.data(), routing.topk_weights.data(),
+                                     handle, recycle);
+    if (recycle) {
+      EXPECT_TRUE(prev.x.empty() && prev.q_payload.empty() && !prev.handle) << "recycled result not emptied";
+    }
     handle = d.handle;
     // y: a row-dependent, non-trivial function of x so the f32 sums have rounding to get wrong.
     std::vector<float> y(d.num_recv * cfg.hidden), w(d.num_recv);
@@ -83,7 +99,8 @@ Outcome runOnce(std::shared_ptr<Communicator> comm, MoeConfig cfg, size_t tokens
     if (pass == 0)
       o = cur;
     else
-      expectSame(o, cur, "cached handle");
+      expectSame(o, cur, pass == 1 ? "cached handle" : "recycled output");
+    prev = std::move(d);
   }
   return o;
 }
