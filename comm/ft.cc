@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <fstream>
 #include <map>
 #include <set>
@@ -87,6 +89,202 @@ Member thisProcess() {
 std::string memberLine(int old_rank, const Member& m) {
   return fmt::format("{} {} {}\n", old_rank, m.host, m.pid);
 }
+
+// PeerFailure for dead or unreachable ranks, Timeout when all are only silent (hung).
+std::exception_ptr faultError(const std::vector<PeerFault>& faults, const std::string& message) {
+  std::vector<int> ranks;
+  bool all_hung = !faults.empty(), store_lost = false;
+  for (const auto& f : faults) {
+    if (f.rank >= 0) ranks.push_back(f.rank);
+    all_hung &= f.kind == FailureKind::kHung;
+    store_lost |= f.kind == FailureKind::kStoreLost;
+  }
+  if (store_lost) return std::make_exception_ptr(SystemError(message, ranks));
+  if (faults.empty()) return std::make_exception_ptr(Aborted(message, ranks));
+  if (all_hung) return std::make_exception_ptr(Timeout(message, ranks));
+  return std::make_exception_ptr(PeerFailure(message, ranks));
+}
+
+// "?" if the process is on another host (or unknown); else its state letter, "" if gone.
+std::string processState(const Member& m) {
+  if (m.host != hostName() || m.pid <= 0) return "?";
+  std::ifstream in(fmt::format("/proc/{}/stat", m.pid));
+  std::string text;
+  if (!in || !std::getline(in, text)) return "";
+  auto close = text.rfind(')');
+  if (close == std::string::npos || close + 2 >= text.size()) return "?";
+  return std::string(1, text[close + 2]);
+}
+
+// Liveness while a new epoch's communicator is built. Setup (rank records, shm and UCX
+// address exchange) waits for every member; one that died after the decision would
+// otherwise be waited for until CROSSBAR_CONNECT_TIMEOUT. This thread keeps this
+// rank's heartbeat (the key the epoch's detector continues) and checks the others:
+// a same-host process that is gone is dead at once; a member whose heartbeat did
+// not move for the detection bound since setup began is hung (or dead elsewhere).
+class SetupWatch {
+ public:
+  SetupWatch(std::shared_ptr<Store> epoch_store, std::vector<Member> members, int rank, Millis detect_timeout,
+             Millis heartbeat_interval)
+      : store_(std::move(epoch_store)),
+        members_(std::move(members)),
+        rank_(rank),
+        detect_timeout_(detect_timeout),
+        heartbeat_interval_(heartbeat_interval) {
+    thread_ = std::thread([this] { run(); });
+  }
+  ~SetupWatch() { stop(); }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  std::vector<PeerFault> faults() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return faults_;
+  }
+  bool failed() const { return failed_.load(); }
+  // Adds the ranks of `named` whose process is gone (an error that named them came first).
+  void blameGone(const std::vector<int>& named) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int r : named)
+      if (r >= 0 && r < static_cast<int>(members_.size()) && r != rank_ && processState(members_[r]).empty())
+        addLocked(r, FailureKind::kDead, "process gone");
+  }
+
+ private:
+  void addLocked(int r, FailureKind kind, std::string detail) {
+    for (const auto& f : faults_)
+      if (f.rank == r) return;
+    faults_.push_back(PeerFault{r, kind, members_[r].host, members_[r].pid, rank_, std::move(detail)});
+    failed_.store(true);
+  }
+  void run() {
+    const int n = static_cast<int>(members_.size());
+    std::vector<int64_t> last(n, -1);
+    std::vector<Clock::time_point> changed(n, Clock::now());
+    auto last_tick = Clock::now();
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopping_) {
+      lock.unlock();
+      const auto now = Clock::now();
+      if (now - last_tick > detect_timeout_ / 2)  // this thread was starved: silence proves nothing
+        std::fill(changed.begin(), changed.end(), now);
+      last_tick = now;
+      std::vector<std::pair<int, std::string>> dead, hung;
+      try {
+        store_->add(fmt::format("hb/{}", rank_), 1);
+        for (int r = 0; r < n; ++r) {
+          if (r == rank_) continue;
+          std::string state = processState(members_[r]);
+          if (state.empty() || state == "Z" || state == "X") {
+            dead.emplace_back(r, state.empty() ? "process gone" : "process exited (zombie)");
+            continue;
+          }
+          int64_t v = store_->add(fmt::format("hb/{}", r), 0);
+          if (v != last[r]) {
+            last[r] = v;
+            changed[r] = now;
+          } else if (now - changed[r] > detect_timeout_) {
+            hung.emplace_back(r, fmt::format("no heartbeat for {} ms while the new epoch was set up{}",
+                                             std::chrono::duration_cast<Millis>(now - changed[r]).count(),
+                                             state == "T" || state == "t" ? ", process stopped (state T)" : ""));
+          }
+        }
+      } catch (const std::exception& e) {
+        CB_TRACE("ft", "setup watch: store call failed: {}", e.what());  // setup's own calls report it
+      }
+      lock.lock();
+      for (auto& [r, why] : dead) addLocked(r, FailureKind::kDead, why + " after the decision");
+      for (auto& [r, why] : hung) addLocked(r, FailureKind::kHung, why);
+      cv_.wait_for(lock, heartbeat_interval_, [&] { return stopping_; });
+    }
+  }
+
+  std::shared_ptr<Store> store_;
+  std::vector<Member> members_;
+  int rank_;
+  Millis detect_timeout_, heartbeat_interval_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::atomic<bool> failed_{false};
+  std::vector<PeerFault> faults_;
+  std::thread thread_;
+};
+
+// The store a new epoch's communicator is built over: its blocking calls run in 100 ms
+// slices and end with PeerFailure / Timeout as soon as the SetupWatch found a member
+// failed. The communicator keeps the store after setup; the watch is dropped then,
+// and the calls go straight through.
+class WatchedStore final : public Store {
+ public:
+  WatchedStore(std::shared_ptr<Store> inner, int rank) : inner_(std::move(inner)), rank_(rank) {}
+  void watch(std::shared_ptr<SetupWatch> w, std::string what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    watch_ = std::move(w);
+    what_ = std::move(what);
+  }
+  void set(const std::string& key, const Bytes& value) override { inner_->set(key, value); }
+  Bytes get(const std::string& key, Deadline deadline) override {
+    while (true) {
+      throwIfFailed(key);
+      try {
+        return inner_->get(key, watching() ? deadline.min(Deadline::after(kSlice)) : deadline);
+      } catch (const Timeout&) {
+        if (deadline.expired() || !watching()) throw;
+      }
+    }
+  }
+  int64_t add(const std::string& key, int64_t delta) override { return inner_->add(key, delta); }
+  Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) override {
+    return inner_->compareSet(key, expected, desired);
+  }
+  bool check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
+  void wait(const std::vector<std::string>& keys, Deadline deadline) override {
+    while (true) {
+      throwIfFailed(keys.empty() ? std::string() : keys.front());
+      try {
+        inner_->wait(keys, watching() ? deadline.min(Deadline::after(kSlice)) : deadline);
+        return;
+      } catch (const Timeout&) {
+        if (deadline.expired() || !watching()) throw;
+      }
+    }
+  }
+  bool deleteKey(const std::string& key) override { return inner_->deleteKey(key); }
+  int64_t numKeys() override { return inner_->numKeys(); }
+
+ private:
+  static constexpr Millis kSlice{100};
+  bool watching() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return watch_ != nullptr;
+  }
+  void throwIfFailed(const std::string& key) {
+    std::shared_ptr<SetupWatch> w;
+    std::string what;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      w = watch_;
+      what = what_;
+    }
+    if (!w || !w->failed()) return;
+    auto faults = w->faults();
+    std::rethrow_exception(faultError(
+        faults, fmt::format("{}{} while waiting for '{}' in the setup of {}", errorContext(rank_, "ft setup"),
+                            describeAll(faults), printableKey(key), what)));
+  }
+
+  std::shared_ptr<Store> inner_;
+  int rank_;
+  std::mutex mu_;
+  std::shared_ptr<SetupWatch> watch_;
+  std::string what_;
+};
 
 }  // namespace
 
@@ -360,17 +558,7 @@ void FailureDetector::probe(bool send, const std::set<int>& known, std::vector<P
 
 std::exception_ptr FailureDetector::errorFor(const std::vector<PeerFault>& faults,
                                              const std::string& message) const {
-  std::vector<int> ranks;
-  bool all_hung = !faults.empty(), store_lost = false;
-  for (const auto& f : faults) {
-    if (f.rank >= 0) ranks.push_back(f.rank);
-    all_hung &= f.kind == FailureKind::kHung;
-    store_lost |= f.kind == FailureKind::kStoreLost;
-  }
-  if (store_lost) return std::make_exception_ptr(SystemError(message, ranks));
-  if (faults.empty()) return std::make_exception_ptr(Aborted(message, ranks));
-  if (all_hung) return std::make_exception_ptr(Timeout(message, ranks));
-  return std::make_exception_ptr(PeerFailure(message, ranks));
+  return faultError(faults, message);
 }
 
 void FailureDetector::revoke(std::vector<PeerFault> faults, const std::string& why) {
@@ -649,15 +837,16 @@ FaultTolerantComm::~FaultTolerantComm() {
 }
 
 void FaultTolerantComm::close() {
-  if (!detector_) return;
+  if (!detector_ && !setupFailed()) return;
   try {
-    epochStore(epoch_, true)->set(fmt::format("left/{}", comm_->rank()), "1");
+    epochStore(epoch_, true)->set(fmt::format("left/{}", rank_), "1");
   } catch (const std::exception& e) {
     CB_WARN("ft", "could not announce leaving epoch {}: {}", epoch_, e.what());
   }
-  detector_->stop();
+  if (detector_) detector_->stop();
   detector_.reset();
   comm_.reset();
+  setup_faults_.clear();
 }
 
 void FaultTolerantComm::onFailure(FailureCallback callback) {
@@ -683,6 +872,7 @@ void FaultTolerantComm::detach(const EpochResource* resource) {
 std::vector<PeerFault> FaultTolerantComm::handleError(const std::exception& error) {
   auto* e = dynamic_cast<const Error*>(&error);
   requireOpen("handleError");
+  if (setupFailed()) return setup_faults_;  // the failed setup already named them
   if (detector_->revoked()) return detector_->faults();
   if (e && !e->peers().empty() && (e->code() == ErrorCode::kPeerFailure || e->code() == ErrorCode::kTimeout))
     return detector_->classify(e->peers());
@@ -695,10 +885,47 @@ void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int m
   CommOptions co = options_.comm;
   co.epoch = epoch;
   if (co.name.empty()) co.name = options_.name;
-  auto ctx_store = std::make_shared<PrefixStore>(epochPrefix(epoch) + "/ctx", store_);
-  comm_ = Communicator::create(ctx_store, my_rank, static_cast<int>(members.size()), co);
   epoch_ = epoch;
   members_ = members;
+  rank_ = my_rank;
+  setup_faults_.clear();
+  auto ctx_store = std::make_shared<WatchedStore>(
+      std::make_shared<PrefixStore>(epochPrefix(epoch) + "/ctx", store_), my_rank);
+  auto watch =
+      std::make_shared<SetupWatch>(epochStore(epoch, true), members, my_rank, detect_timeout_, heartbeat_interval_);
+  ctx_store->watch(watch, fmt::format("epoch {} of '{}'", epoch, options_.name));
+  try {
+    comm_ = Communicator::create(ctx_store, my_rank, static_cast<int>(members.size()), co);
+  } catch (const Error& e) {
+    // A member failed after the decision (or during setup): name it, tell the others
+    // (the revoke key of the new epoch) and let the caller shrink again.
+    watch->blameGone(e.peers());
+    watch->stop();
+    ctx_store->watch(nullptr, {});
+    setup_faults_ = watch->faults();
+    if (setup_faults_.empty()) throw;
+    const std::string why = fmt::format("setup failed at rank {}", my_rank);
+    try {
+      auto es = epochStore(epoch, true);
+      std::string text = why + "\n" + serialize(setup_faults_);
+      std::string stored = toString(es->compareSet("revoked", {}, toBytes(text)));
+      es->set(fmt::format("revoked_by/{}", my_rank), text);
+      std::istringstream in(stored);
+      std::string first_why;
+      std::getline(in, first_why);
+      merge(setup_faults_, parseFaults(in));
+    } catch (const std::exception& store_error) {
+      CB_WARN("ft", "could not publish the failed setup of epoch {}: {}", epoch, store_error.what());
+    }
+    std::string message = fmt::format(
+        "{}building epoch {} of '{}' failed: {}. Call handleError() and shrink() again to continue without "
+        "them (cause: {})",
+        errorContext(my_rank, "ft setup"), epoch, options_.name, describeAll(setup_faults_), e.what());
+    CB_WARN("ft", "{}", message);
+    std::rethrow_exception(faultError(setup_faults_, message));
+  }
+  watch->stop();
+  ctx_store->watch(nullptr, {});
   detector_ =
       std::make_unique<FailureDetector>(epochStore(epoch, true), comm_, std::move(members), detect_timeout_,
                                         heartbeat_interval_, callbacks_, options_.data_path_probes);
@@ -708,7 +935,7 @@ void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int m
 std::string FaultTolerantComm::awaitDecision(const std::function<std::string()>& leader_decide,
                                              bool shrinking) {
   auto es = epochStore(epoch_, false);
-  const Deadline overall = comm_->defaultDeadline();
+  const Deadline overall = operationDeadline();
   const std::string op = shrinking ? "shrink" : "grow";
   while (true) {
     if (es->check({"decision"})) return toString(es->get("decision", overall));
@@ -717,34 +944,43 @@ std::string FaultTolerantComm::awaitDecision(const std::function<std::string()>&
     // cut link seen by one side only, the far side's accusation is the only evidence
     // (a rank on the accused side must then not lead: it would keep both sides).
     std::set<int> failed;
-    for (const auto& f : detector_->faults()) failed.insert(f.rank);
+    for (const auto& f : currentFaults()) failed.insert(f.rank);
     int leader = 0;
     while (failed.count(leader)) ++leader;
-    if (leader == comm_->rank()) return leader_decide();
+    if (leader == rank_) return leader_decide();
     try {
       return toString(
           es->get("decision", Deadline::after(std::max(Millis(200), 2 * heartbeat_interval_)).min(overall)));
     } catch (const Timeout&) {
       if (overall.expired())
         throw Timeout(fmt::format("{}rank {} (host {}) did not publish the membership of epoch {} in time",
-                                  errorContext(comm_->rank(), op), leader, members_[leader].host, epoch_ + 1),
+                                  errorContext(rank_, op), leader, members_[leader].host, epoch_ + 1),
                       {leader});
     }
   }
 }
 
+std::vector<PeerFault> FaultTolerantComm::currentFaults() const {
+  return detector_ ? detector_->faults() : setup_faults_;
+}
+
+Deadline FaultTolerantComm::operationDeadline() const {
+  if (comm_) return comm_->defaultDeadline();
+  return Deadline::after(options_.comm.timeout.count() > 0 ? options_.comm.timeout : defaultTimeout());
+}
+
 void FaultTolerantComm::requireOpen(const char* op) const {
-  if (!detector_ || !comm_)
+  if ((!detector_ || !comm_) && !setupFailed())
     throw InvalidUsage(fmt::format("{}this process left '{}' (closed, or excluded by an earlier shrink)",
                                    errorContext(-1, op), options_.name));
 }
 
 std::shared_ptr<Communicator> FaultTolerantComm::shrink() {
   requireOpen("shrink");
-  const int me = comm_->rank(), n = comm_->size();
-  if (!detector_->revoked()) detector_->revoke({}, fmt::format("rank {} called shrink()", me));
+  const int me = rank_, n = size();
+  if (detector_ && !detector_->revoked()) detector_->revoke({}, fmt::format("rank {} called shrink()", me));
   auto es = epochStore(epoch_, false);
-  es->set(fmt::format("view/{}", me), serialize(detector_->faults()));
+  es->set(fmt::format("view/{}", me), serialize(currentFaults()));
 
   auto decide = [&]() -> std::string {
     // Collect views until every rank that no standing accusation excludes has posted
@@ -756,7 +992,7 @@ std::shared_ptr<Communicator> FaultTolerantComm::shrink() {
     std::set<int> left;
     Agreement agreed;
     while (true) {
-      views[me] = detector_->faults();
+      views[me] = currentFaults();
       agreed = agree(n, me, views, left);
       for (int r : agreed.waiting) {
         std::string key = fmt::format("view/{}", r);
@@ -782,6 +1018,9 @@ std::shared_ptr<Communicator> FaultTolerantComm::shrink() {
 
 std::shared_ptr<Communicator> FaultTolerantComm::grow(int target_size) {
   requireOpen("grow");
+  if (setupFailed())
+    throw InvalidUsage(fmt::format("{}epoch {} failed while it was built ({}); shrink() first",
+                                   errorContext(rank_, "grow"), epoch_, describeAll(setup_faults_)));
   const int n = comm_->size();
   if (target_size <= n)
     throw InvalidArgument(fmt::format("{}target size {} is not larger than the current size {}",
@@ -825,7 +1064,7 @@ std::shared_ptr<Communicator> FaultTolerantComm::applyDecision(const std::string
   change.old_epoch = epoch_;
   change.new_epoch = epoch;
   change.shrink = kind == "shrink";
-  change.old_size = comm_ ? comm_->size() : 0;
+  change.old_size = first ? 0 : size();
   std::string line;
   std::getline(in, line);
   while (std::getline(in, line)) {
@@ -864,8 +1103,28 @@ std::shared_ptr<Communicator> FaultTolerantComm::applyDecision(const std::string
                     "without it (it was considered failed: dead, hung or unreachable). It must not "
                     "use this communicator again; exit, or call join() as a new process",
                     errorContext(-1, first ? "ft join" : kind), me.id(), epoch, options_.name));
+  if (unadvanced_) {
+    // The resources never saw the epoch whose setup failed: give them one change
+    // from the epoch they are in.
+    const EpochChange& before = *unadvanced_;
+    change.old_epoch = before.old_epoch;
+    change.old_size = before.old_size;
+    change.shrink = change.shrink && before.shrink;
+    for (int& o : change.old_rank_of)
+      if (o >= 0) o = before.old_rank_of[o];
+    change.excluded.clear();
+    for (int r = 0; r < change.old_size; ++r)
+      if (std::find(change.old_rank_of.begin(), change.old_rank_of.end(), r) == change.old_rank_of.end())
+        change.excluded.push_back(r);
+  }
   CB_INFO("ft", "entering epoch {} ({}) as rank {} of {}", epoch, kind, my_rank, members.size());
-  enter(epoch, std::move(members), my_rank);
+  try {
+    enter(epoch, std::move(members), my_rank);
+  } catch (...) {
+    if (setupFailed()) unadvanced_ = std::make_unique<EpochChange>(change);
+    throw;
+  }
+  unadvanced_.reset();
   change.comm = comm_;
   for (auto& r : resources) r->advance(change);  // collective; errors reach the caller
   return comm_;

@@ -214,8 +214,8 @@ class FaultTolerantComm {
   const std::shared_ptr<Communicator>& comm() const { return comm_; }
   FailureDetector& detector() const { return *detector_; }
   uint64_t epoch() const { return epoch_; }
-  int rank() const { return comm_->rank(); }
-  int size() const { return comm_->size(); }
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(members_.size()); }
   // Called on every failure event from the thread that saw it (usually the detector's):
   // keep them short, and never call shrink()/grow()/close() from one (they stop that thread).
   void onFailure(FailureCallback callback);
@@ -226,7 +226,10 @@ class FaultTolerantComm {
 
   // Collective over the survivors: agree on the members of epoch+1 (failed and slow
   // ranks left out, ranks renumbered in old order), rebuild transports, continue.
-  // Throws Excluded on a rank that the agreement left out.
+  // Throws Excluded on a rank that the agreement left out. If a member fails while
+  // epoch+1 is being built, throws PeerFailure (dead) or Timeout (silent) naming it
+  // within the detection bound; comm() is then null, and handleError() + shrink()
+  // again continue without it (the attached resources see one combined change).
   std::shared_ptr<Communicator> shrink();
   // Collective over the members: admit target_size - size() joiners (in arrival order).
   std::shared_ptr<Communicator> grow(int target_size);
@@ -247,6 +250,9 @@ class FaultTolerantComm {
   // Builds epoch `epoch` from the member list; `my_rank` indexes into it.
   void enter(uint64_t epoch, std::vector<Member> members, int my_rank);
   void requireOpen(const char* op) const;  // InvalidUsage after close() or Excluded
+  bool setupFailed() const { return !comm_ && !setup_faults_.empty(); }
+  std::vector<PeerFault> currentFaults() const;  // the detector's, or the failed setup's
+  Deadline operationDeadline() const;
   std::string epochPrefix(uint64_t epoch) const;
   std::shared_ptr<Store> epochStore(uint64_t epoch, bool detector) const;
   // Waits for the transition decision of the current epoch (leader writes it via `decide`).
@@ -260,7 +266,12 @@ class FaultTolerantComm {
   Millis detect_timeout_{0}, heartbeat_interval_{0};
   uint64_t epoch_ = 0;
   std::vector<Member> members_;
+  int rank_ = -1;  // in epoch_
   std::shared_ptr<Communicator> comm_;
+  // Set when building epoch_'s communicator failed: who failed, and the change the
+  // attached resources have not seen yet (composed with the next one).
+  std::vector<PeerFault> setup_faults_;
+  std::unique_ptr<EpochChange> unadvanced_;
   std::unique_ptr<FailureDetector> detector_;
   std::shared_ptr<CallbackList> callbacks_;  // also holds the attached resources
 };

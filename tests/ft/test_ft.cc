@@ -142,6 +142,78 @@ TEST(FtKill, DISABLED_Soak) {
   }
 }
 
+// A survivor dies after the shrink decision, before it builds the new epoch: the
+// others must not wait for it until CROSSBAR_CONNECT_TIMEOUT in the new epoch's setup
+// but fail with PeerFailure naming it within the detection bound, then shrink again
+// and compute correctly. Rank 3 is killed first; rank 2 posts its (empty) view as
+// shrink() would, so the decision keeps it, and dies as soon as the decision is out.
+// ranks_per_node = 2 puts rank 2 on another virtual node than 0 and 1 (UCX setup).
+void survivorDiesAfterDecision(int ranks_per_node) {
+  const int n = 4, first = 3, second = 2;
+  auto options = ftRun();
+  options.env["CROSSBAR_CONNECT_TIMEOUT"] = "60s";  // what the survivors waited before
+  if (ranks_per_node > 0) options.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(ranks_per_node);
+  auto results = runRanks(
+      n,
+      [&](RankEnv& env) {
+        ft::FtOptions fo = ftOptions(env);
+        fo.name = "late";
+        auto ft = FaultTolerantComm::create(env.store, env.rank, n, fo);
+        auto coll = std::make_unique<Collectives>(ft->comm());
+        try {
+          for (int it = 0; it < 2000; ++it) {
+            if (env.rank == first && it == 3) ::kill(::getpid(), SIGKILL);
+            step(*coll, it, 21);
+          }
+          ADD_FAILURE() << "no failure after 2000 iterations";
+          return;
+        } catch (const Error& e) {
+          ft->handleError(e);
+        }
+        coll.reset();
+        if (env.rank == second) {
+          // What shrink() would post (this rank blames nobody), then die once the
+          // leader published the membership of epoch 1 (with this rank in it).
+          env.store->set("crossbar/ft/late/e0/view/2", "");
+          env.store->get("crossbar/ft/late/e0/decision", Deadline::after(Millis(60'000)));
+          env.store->set("test/second_killed_at", std::to_string(monoNs()));
+          ::kill(::getpid(), SIGKILL);
+        }
+        try {
+          ft->shrink();
+          ADD_FAILURE() << "the first shrink succeeded although rank " << second << " died after the decision";
+          return;
+        } catch (const Error& e) {
+          const int64_t seen = monoNs();
+          auto killed = std::stoll(toString(env.store->get("test/second_killed_at", Deadline::after(kSlack))));
+          EXPECT_EQ(e.code(), ErrorCode::kPeerFailure) << e.what();
+          EXPECT_TRUE(contains(e.peers(), second)) << e.what();  // new rank 2 is old rank 2
+          EXPECT_LT(seen - killed, (kDetect + kSlack).count() * 1'000'000LL)
+              << "the new epoch's setup waited too long for the dead member";
+          EXPECT_EQ(ft->comm(), nullptr);
+          auto faults = ft->handleError(e);
+          ASSERT_EQ(faults.size(), 1u) << e.what();
+          EXPECT_EQ(faults[0].rank, second);
+          EXPECT_EQ(faults[0].kind, FailureKind::kDead) << faults[0].describe();
+        }
+        ft->shrink();
+        EXPECT_EQ(ft->size(), 2);
+        EXPECT_EQ(ft->epoch(), 2u);
+        EXPECT_EQ(ft->rank(), env.rank);
+        coll = std::make_unique<Collectives>(ft->comm());
+        for (int it = 0; it < 4; ++it) step(*coll, it, 22);
+        coll.reset();
+        ft->comm()->barrier();
+      },
+      options, /*expect_ok=*/false);
+  expectOutcome(results, {first, second});
+}
+
+TEST(FtShrink, SurvivorDiesAfterDecision) {
+  survivorDiesAfterDecision(0);
+  survivorDiesAfterDecision(2);
+}
+
 // The hang test runs the default (symmetric-memory) algorithms: their signal waits
 // observe the revoke (Context::aborted) within one 100 ms wait slice.
 RunOptions hangRun() {
