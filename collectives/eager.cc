@@ -23,8 +23,10 @@ constexpr size_t kLine = 64;
 constexpr size_t kMaxEagerBytes = size_t{1} << 20;  // slots are kEagerSlots x this per rank at most
 constexpr Millis kYieldPhase{2};
 // Sleeps are cut into slices so a waiting rank also notices a peer that took the
-// checked path (its call-check slot) instead of waiting out the whole deadline.
-constexpr Millis kSleepSlice{20};
+// checked path (its call-check slot) instead of waiting out the whole deadline. Longer
+// than the symmetric buffer's own 100 ms sleep slice, after which it checks for an
+// abort and for a dead peer (a shorter slice would never reach those checks).
+constexpr Millis kSleepSlice{250};
 constexpr int kWakeChannel = 0;
 
 size_t roundUp(size_t v, size_t a) {
@@ -218,7 +220,9 @@ bool EagerChannel::awaitPeer(int peer, uint64_t seq, Deadline deadline, CallSign
     try {
       buf_->waitSignalValue(peer, kWakeChannel, before + 1, deadline.min(Deadline::after(kSleepSlice)));
     } catch (const Timeout&) {
-      if (deadline.expired() && !ready()) throw;
+      // Only the slice's own end is ours to absorb: an abort (e.g. the failure
+      // detector's "not responding") arrives as its error, possibly a Timeout too.
+      if (comm_->aborted() || (deadline.expired() && !ready())) throw;
     }
   }
 }

@@ -427,10 +427,12 @@ std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Comm
       }
       if ((on_eager = eager())) break;
       try {
-        slots_->waitSignal(q, 0, deadline.min(Deadline::after(Millis(20))));
+        // Longer than the buffer's 100 ms sleep slice, which ends in its abort and
+        // peer-failure checks.
+        slots_->waitSignal(q, 0, deadline.min(Deadline::after(Millis(250))));
         break;
       } catch (const Timeout&) {
-        if (deadline.expired()) throw;
+        if (deadline.expired() || comm->aborted()) throw;  // an abort's error may be a Timeout too
       }
     }
     if (on_eager) {
