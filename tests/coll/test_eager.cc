@@ -10,10 +10,12 @@
 // must match byte for byte on every rank.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <thread>
 
 #include "collectives/algorithms.h"
 #include "collectives/collectives.h"
@@ -504,4 +506,67 @@ TEST(Eager, MismatchesReportedWithoutCallCheck) {
         comm->destroy();
       },
       o);
+}
+
+// A peer that dies, or an abort, ends an eager wait with that error (not a wait until
+// the operation's deadline): the sleep slices reach the symmetric buffer's checks.
+TEST(Eager, PeerDeathAndAbortEndTheWait) {
+  RunOptions o;
+  o.allow_rank_death = true;
+  auto results = runRanks(
+      2,
+      [](RankEnv& env) {
+        auto comm = env.communicator();
+        Collectives coll(comm);
+        int32_t v = 1, out = 0;
+        coll.allreduce(&v, &out, 1, DataType::kInt32, ReduceOp::kSum)->wait();  // slots exist
+        ASSERT_EQ(out, 2);
+        if (comm->rank() == 1) {
+          std::this_thread::sleep_for(Millis(50));
+          ::_exit(3);
+        }
+        CollOptions co;
+        co.timeout = Millis(60'000);
+        const auto t0 = Clock::now();
+        try {
+          coll.allreduce(&v, &out, 1, DataType::kInt32, ReduceOp::kSum, co)->wait();
+          ADD_FAILURE() << "no error with the peer gone";
+        } catch (const Error& e) {
+          EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kAborted) << e.what();
+        }
+        EXPECT_LT(Clock::now() - t0, Millis(30'000));
+      },
+      o, /*expect_ok=*/false);
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_TRUE(results[0].ok) << results[0].failure;
+  EXPECT_EQ(results[1].exit_code, 3);
+
+  runRanks(2, [](RankEnv& env) {
+    auto comm = env.communicator();
+    Collectives coll(comm);
+    int32_t v = 1, out = 0;
+    coll.allreduce(&v, &out, 1, DataType::kInt32, ReduceOp::kSum)->wait();
+    if (comm->rank() == 1) {
+      // Rank 0 waits in its eager allreduce until rank 1 aborts the communicator
+      // (abort is per process: rank 0 aborts its own after a while, as a watchdog would).
+      env.store->get("test/aborted", Deadline::after(Millis(60'000)));
+      return;
+    }
+    std::thread watchdog([&] {
+      std::this_thread::sleep_for(Millis(300));
+      comm->abort("test watchdog");
+    });
+    CollOptions co;
+    co.timeout = Millis(60'000);
+    const auto t0 = Clock::now();
+    try {
+      coll.allreduce(&v, &out, 1, DataType::kInt32, ReduceOp::kSum, co)->wait();
+      ADD_FAILURE() << "no error after the abort";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+    }
+    EXPECT_LT(Clock::now() - t0, Millis(30'000));
+    watchdog.join();
+    env.store->set("test/aborted", "1");
+  });
 }
