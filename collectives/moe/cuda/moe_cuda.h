@@ -96,7 +96,7 @@ class CudaMoeBuffer {
  public:
   struct Options {
     int device = -1;  // CUDA device of this rank; -1: the current device
-    DeviceAllocator allocate;  // per-call device memory (see DeviceAllocator); null: cudaMalloc
+    DeviceAllocator allocate = nullptr;  // per-call device memory (see DeviceAllocator); null: cudaMalloc
   };
   // Collective. InvalidArgument for a bad config (as MoeBuffer), Unsupported without a CUDA
   // device / driver, more than 8 ranks per node, or a heap that cannot map the peers' GPU
