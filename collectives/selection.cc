@@ -270,12 +270,10 @@ const std::vector<SelectionRule>& selectionTable() {
       // chunk = hierarchical_symm). Measured on 2 virtual nodes x 2 ranks (noisy: see
       // docs/performance.md): reduce_scatter 2-5x pairwise/ring at 8K-64M, the others
       // ahead from 64K/256K; alltoall (aggregated per node pair) is not ahead on one
-      // machine, so it is only used when forced. allreduce keeps the unpipelined
-      // hierarchical_symm by default for now: with hier_pipelined selected, a rank killed
-      // mid-allreduce on virtual nodes made a survivor abort inside UCX 1.13's teardown
-      // (an assertion upstream later removed, openucx/ucx#8175) in 2 of 3 loaded runs of
-      // FtKill seed 5; cause in our traffic not yet found (docs/performance.md).
-      {CollType::kAllreduce, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hierarchical_symm"},
+      // machine, so it is only used when forced. (The UCX 1.13 teardown abort seen with
+      // allreduce=hier_pipelined after a kill is fixed in ucx_context.cc:
+      // docs/fault-tolerance.md, Known limits.)
+      {CollType::kAllreduce, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
       {CollType::kAllgather, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
       {CollType::kReduceScatter, 0, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},
       {CollType::kBroadcast, 256 * K, kInf, 4, kAnyRanks, NodeScope::kMulti, "hier_pipelined"},

@@ -571,12 +571,11 @@ TEST_P(HierMatrix, PipelinedAlgorithms) {
         Collectives coll(comm);
         // Back to back: 24 nonblocking operations in flight, then waited for.
         runCases(coll, *comm, hierMatrix(comm->size()), 24, 300);
-        // Table selection: allgather picks hier_pipelined for large buffers (>= 4 ranks); allreduce
-        // keeps hierarchical_symm by default (selection.cc says why).
+        // Table selection: allreduce and allgather pick hier_pipelined for large buffers (>= 4 ranks).
         if (comm->size() >= 4) {
           CollArgs big =
               CollArgs::of(CollType::kAllreduce, nullptr, nullptr, size_t{4} << 20, DataType::kFloat32);
-          EXPECT_EQ(selectAlgorithm(big, *comm, "", AlgoOverride{}).algorithm->name, "hierarchical_symm");
+          EXPECT_EQ(selectAlgorithm(big, *comm, "", AlgoOverride{}).algorithm->name, "hier_pipelined");
           big.coll = CollType::kAllgather;
           EXPECT_EQ(selectAlgorithm(big, *comm, "", AlgoOverride{}).algorithm->name, "hier_pipelined");
         }
