@@ -1,6 +1,9 @@
-// crossbar._C._moe: MoE dispatch/combine (collectives/moe) on CPU torch tensors over a
-// crossbar process group's communicator. crossbar/moe.py wraps it (argument checks that
-// need torch types, payload views, the expert-major combine).
+// crossbar._C._moe: MoE dispatch/combine (collectives/moe) on torch tensors over a crossbar
+// process group's communicator: CPU tensors through MoeBuffer (host path), CUDA tensors
+// through CudaMoeBuffer (CUDA builds against a CUDA torch) on torch's current stream, with
+// every result and per-call temporary allocated by torch's caching allocator (stream-ordered:
+// no cudaFree, no device synchronization). crossbar/moe.py wraps it (argument checks that need
+// torch types, payload views, the expert-major combine).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -12,6 +15,20 @@
 #include "collectives/moe/moe.h"
 #include "comm/errors.h"
 #include "torch_backend/backend.h"
+
+// CROSSBAR_TORCH_CUDA implies a CUDA build of crossbar, whose MoE layer has the CUDA executor
+// (collectives/moe/CMakeLists.txt); perf/gpu/build_torch_ext.sh sets only the former.
+#if CROSSBAR_TORCH_CUDA
+#define CROSSBAR_MOE_CUDA_TENSORS 1
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "collectives/moe/cuda/moe_cuda.h"
+#include "collectives/moe/moe_plan.h"
+#else
+#define CROSSBAR_MOE_CUDA_TENSORS 0
+#endif
 
 namespace py = pybind11;
 
@@ -41,13 +58,83 @@ DataType dataTypeOf(const at::Tensor& t, const char* what) {
   throw InvalidArgument(std::string(what) + " must be bfloat16 or float32");
 }
 
-void requireCpuContiguous(const at::Tensor& t, const char* what) {
-  if (!t.device().is_cpu())
+// `t` must live where the buffer works: the CPU (cuda_device < 0) or that CUDA device.
+void requireOnDevice(const at::Tensor& t, int cuda_device, const char* what) {
+  if (cuda_device < 0 && !t.device().is_cpu())
     throw Unsupported(std::string(what) + " is on " + t.device().str() +
-                      ": crossbar.moe runs on CPU tensors (host path); move it with .cpu()");
+                      ": this crossbar.moe Buffer runs on CPU tensors; create it with device='cuda' for CUDA "
+                      "tensors, or move the tensor with .cpu()");
+  if (cuda_device >= 0 && (!t.is_cuda() || t.device().index() != cuda_device))
+    throw InvalidArgument(std::string(what) + " is on " + t.device().str() +
+                          ": this crossbar.moe Buffer runs on cuda:" + std::to_string(cuda_device) +
+                          "; move the tensor there (.to('cuda:" + std::to_string(cuda_device) + "'))");
   if (!t.is_contiguous())
     throw InvalidArgument(std::string(what) + " must be contiguous (call .contiguous())");
 }
+
+py::dict metricsDict(const moe::MoeMetrics& m) {
+  py::dict metrics;
+  metrics["inter_node_bytes"] = m.inter_node_bytes;
+  metrics["intra_node_bytes"] = m.intra_node_bytes;
+  metrics["flat_bytes"] = m.flat_bytes;
+  metrics["dedup_factor"] = m.dedup_factor;
+  metrics["network_dedup"] = m.network_dedup;
+  metrics["dropped"] = m.dropped;
+  metrics["expert_imbalance"] = m.expert_imbalance;
+  return metrics;
+}
+
+#if CROSSBAR_MOE_CUDA_TENSORS
+// CudaMoeBuffer's per-call memory as torch tensors: the deleter owns the tensor, so the
+// storage goes back to the caching allocator (into the stream it came from) with its last
+// owner, and results can be handed out as views of it.
+struct TensorKeeper {
+  at::Tensor tensor;
+  void operator()(void*) const {}
+};
+
+moe::DeviceStorage allocateTensor(size_t bytes, int device) {
+  // at::empty on a CUDA device allocates for that device's current stream: the buffer's
+  // calls run on it (PyBuffer passes getCurrentCUDAStream).
+  at::Tensor t = at::empty(
+      {static_cast<int64_t>(bytes)},
+      at::TensorOptions().dtype(at::kByte).device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  void* p = t.data_ptr();
+  return moe::DeviceStorage(p, TensorKeeper{std::move(t)});
+}
+
+const at::Tensor* keptTensor(const moe::DeviceStorage& s) {
+  const auto* k = std::get_deleter<TensorKeeper>(s);
+  return k ? &k->tensor : nullptr;
+}
+
+// The result array at `ptr` (`shape` of `type`) as a view of the tensor among `owners` that
+// holds it; an empty tensor on the device when there is nothing.
+at::Tensor viewOf(const void* ptr, at::ScalarType type, std::vector<int64_t> shape,
+                  const std::vector<moe::DeviceStorage>& owners, int device) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const auto opts = at::TensorOptions().dtype(type).device(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+  if (numel == 0 || !ptr) return at::empty(shape, opts);
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(type));
+  for (const auto& o : owners) {
+    const at::Tensor* t = keptTensor(o);
+    if (!t) continue;
+    const auto* base = static_cast<const uint8_t*>(t->data_ptr());
+    const auto* p = static_cast<const uint8_t*>(ptr);
+    if (p >= base && p + bytes <= base + t->numel())
+      return t->narrow(0, p - base, bytes).view(type).view(shape);
+  }
+  throw InternalError("crossbar.moe (cuda): a result array is not in memory from torch's allocator");
+}
+
+// The caller's stream works on `t` (allocated on any stream): its memory is not reused before
+// the stream gets there.
+void recordUse(const at::Tensor& t, const c10::cuda::CUDAStream& stream) {
+  if (t.defined() && t.numel() > 0)
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+}
+#endif
 
 PayloadFormat formatOf(const std::string& s) {
   if (s == "native") return PayloadFormat::kNative;
@@ -58,15 +145,25 @@ PayloadFormat formatOf(const std::string& s) {
 }
 
 struct PyHandle {
-  std::shared_ptr<const MoeHandle> handle;
+  std::shared_ptr<const MoeHandle> handle;  // CPU buffers
+#if CROSSBAR_MOE_CUDA_TENSORS
+  std::shared_ptr<const moe::CudaMoeHandle> cuda;  // CUDA buffers
+#endif
+  size_t numRecv() const {
+#if CROSSBAR_MOE_CUDA_TENSORS
+    if (cuda) return moe::handleNumRecv(*cuda);
+#endif
+    return handle ? moe::handleNumRecv(*handle) : 0;
+  }
 };
 
 class PyBuffer {
  public:
   PyBuffer(const py::object& backend, size_t max_tokens, size_t hidden, int topk, int num_experts,
            const std::string& dtype, const std::string& format, bool return_quantized,
-           int64_t expert_capacity, int64_t chunk_tokens, int64_t timeout_ms,
-           const std::string& combine_wire) {
+           int64_t expert_capacity, int64_t chunk_tokens, int64_t timeout_ms, const std::string& combine_wire,
+           int cuda_device)
+      : cuda_device_(cuda_device) {
     auto& b = backend.cast<CrossbarBackend&>();
     MoeConfig cfg;
     cfg.max_tokens = max_tokens;
@@ -85,8 +182,30 @@ class PyBuffer {
       throw InvalidArgument("combine_wire '" + combine_wire + "': use bfloat16 or float32");
     cfg.combine_wire = combine_wire == "bfloat16" ? DataType::kBFloat16 : DataType::kFloat32;
     comm_ = b.communicator().shared_from_this();
+    if (cuda_device < 0) {
+      py::gil_scoped_release release;
+      buf_ = MoeBuffer::create(comm_, cfg);
+      return;
+    }
+#if CROSSBAR_MOE_CUDA_TENSORS
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(cuda_device));
+    moe::CudaMoeBuffer::Options o;
+    o.device = cuda_device;
+    o.allocate = [cuda_device](size_t bytes, cudaStream_t) { return allocateTensor(bytes, cuda_device); };
     py::gil_scoped_release release;
-    buf_ = MoeBuffer::create(comm_, cfg);
+    cuda_ = moe::CudaMoeBuffer::create(comm_, cfg, std::move(o));
+#else
+    throw Unsupported(
+        "crossbar.moe on CUDA tensors: this crossbar build has no CUDA MoE path (built without "
+        "CUDA, or against a CPU-only torch); use CPU tensors (device='cpu')");
+#endif
+  }
+
+  const MoeConfig& config() const {
+#if CROSSBAR_MOE_CUDA_TENSORS
+    if (cuda_) return cuda_->config();
+#endif
+    return buf_->config();
   }
 
   py::dict layout(const at::Tensor& topk_idx, int num_experts) const {
@@ -94,7 +213,14 @@ class PyBuffer {
     moe::Layout l;
     {
       py::gil_scoped_release release;
-      l = buf_->layout(topk_idx.data_ptr<int64_t>(), static_cast<size_t>(topk_idx.size(0)), num_experts);
+      const auto* idx = topk_idx.data_ptr<int64_t>();
+      const auto tokens = static_cast<size_t>(topk_idx.size(0));
+#if CROSSBAR_MOE_CUDA_TENSORS
+      if (cuda_)
+        l = cuda_->layout(idx, tokens, num_experts);
+      else
+#endif
+        l = buf_->layout(idx, tokens, num_experts);
     }
     const int64_t R = comm_->size(), T = topk_idx.size(0);
     py::dict d;
@@ -110,20 +236,23 @@ class PyBuffer {
 
   py::dict dispatch(const at::Tensor& x, const at::Tensor& topk_idx, const std::optional<at::Tensor>& weights,
                     const std::optional<PyHandle>& cached) {
-    const auto& cfg = buf_->config();
-    requireCpuContiguous(x, "x");
-    requireIdx(topk_idx);
+    const auto& cfg = config();
+    requireOnDevice(x, cuda_device_, "x");
+    requireIdx(topk_idx, cuda_device_);
     if (x.dim() != 2 || x.size(1) != static_cast<int64_t>(cfg.hidden) || x.size(0) != topk_idx.size(0))
       throw InvalidArgument("x must be [tokens, hidden] with tokens = topk_idx.shape[0] and hidden = " +
                             std::to_string(cfg.hidden));
     if (dataTypeOf(x, "x") != cfg.dtype) throw InvalidArgument("x's dtype differs from the buffer's dtype");
     const float* w = nullptr;
     if (weights) {
-      requireCpuContiguous(*weights, "topk_weights");
+      requireOnDevice(*weights, cuda_device_, "topk_weights");
       if (weights->scalar_type() != at::kFloat || weights->sizes() != topk_idx.sizes())
         throw InvalidArgument("topk_weights must be float32 with topk_idx's shape");
       w = weights->data_ptr<float>();
     }
+#if CROSSBAR_MOE_CUDA_TENSORS
+    if (cuda_) return dispatchCuda(x, topk_idx, weights, w, cached);
+#endif
     DispatchResult r;
     {
       py::gil_scoped_release release;
@@ -155,36 +284,32 @@ class PyBuffer {
       d["q_scales"] = toTensor(r.q_scales, at::kByte, {n, sb});
       d["q_global_scale"] = toTensor(r.q_global_scale, at::kFloat, {n});
     }
-    py::dict metrics;
-    metrics["inter_node_bytes"] = r.metrics.inter_node_bytes;
-    metrics["intra_node_bytes"] = r.metrics.intra_node_bytes;
-    metrics["flat_bytes"] = r.metrics.flat_bytes;
-    metrics["dedup_factor"] = r.metrics.dedup_factor;
-    metrics["network_dedup"] = r.metrics.network_dedup;
-    metrics["dropped"] = r.metrics.dropped;
-    metrics["expert_imbalance"] = r.metrics.expert_imbalance;
-    d["metrics"] = metrics;
-    d["handle"] = PyHandle{r.handle};
+    d["metrics"] = metricsDict(r.metrics);
+    PyHandle h;
+    h.handle = r.handle;
+    d["handle"] = h;
     return d;
   }
 
   py::tuple combine(const at::Tensor& y, const PyHandle& h, const std::optional<at::Tensor>& weights) {
-    const auto& cfg = buf_->config();
-    if (!h.handle) throw InvalidArgument("combine: empty handle");
-    const int64_t n = static_cast<int64_t>(moe::handleNumRecv(*h.handle)),
-                  H = static_cast<int64_t>(cfg.hidden);
-    requireCpuContiguous(y, "y");
+    const auto& cfg = config();
+    const int64_t n = static_cast<int64_t>(h.numRecv()), H = static_cast<int64_t>(cfg.hidden);
+    requireHandle(h, "combine");
+    requireOnDevice(y, cuda_device_, "y");
     if (y.dim() != 2 || y.size(0) != n || y.size(1) != H)
       throw InvalidArgument("y must be [num_recv, hidden] = [" + std::to_string(n) + ", " +
                             std::to_string(H) + "] (the rows dispatch returned)");
     const DataType yt = dataTypeOf(y, "y");
     const float* w = nullptr;
     if (weights) {
-      requireCpuContiguous(*weights, "weights");
+      requireOnDevice(*weights, cuda_device_, "weights");
       if (weights->scalar_type() != at::kFloat || weights->dim() != 1 || weights->size(0) != n)
         throw InvalidArgument("weights must be float32 [num_recv]");
       w = weights->data_ptr<float>();
     }
+#if CROSSBAR_MOE_CUDA_TENSORS
+    if (cuda_) return combineCuda(y, yt, h, weights, w, false);
+#endif
     moe::CombineResult r;
     {
       py::gil_scoped_release release;
@@ -198,17 +323,161 @@ class PyBuffer {
         metrics);
   }
 
-  int numLocalExperts() const { return buf_->numLocalExperts(); }
-  size_t rowBytes() const { return buf_->rowBytes(); }
+  // CUDA buffers only (crossbar/moe.py sums CPU tensors itself): combine of expert-major rows
+  // y [expert_rows, hidden], each token's rows summed on the device in the host path's order.
+  py::tuple combineExpertMajor(const at::Tensor& y, const PyHandle& h,
+                               const std::optional<at::Tensor>& weights) {
+#if CROSSBAR_MOE_CUDA_TENSORS
+    if (cuda_) {
+      requireHandle(h, "combine_expert_major");
+      requireOnDevice(y, cuda_device_, "y");
+      const DataType yt = dataTypeOf(y, "y");
+      if (y.dim() != 2 || y.size(1) != static_cast<int64_t>(config().hidden))
+        throw InvalidArgument("y must be [expert_rows, hidden]");
+      const float* w = nullptr;
+      if (weights) {
+        requireOnDevice(*weights, cuda_device_, "weights");
+        if (weights->scalar_type() != at::kFloat || weights->dim() != 1 || weights->size(0) != y.size(0))
+          throw InvalidArgument("weights must be float32 [expert_rows]");
+        w = weights->data_ptr<float>();
+      }
+      return combineCuda(y, yt, h, weights, w, true);
+    }
+#endif
+    (void)y;
+    (void)h;
+    (void)weights;
+    throw InvalidUsage(
+        "combine_expert_major in C++ is for CUDA buffers (crossbar.moe sums CPU tensors itself)");
+  }
+
+  int numLocalExperts() const {
+#if CROSSBAR_MOE_CUDA_TENSORS
+    if (cuda_) return cuda_->numLocalExperts();
+#endif
+    return buf_->numLocalExperts();
+  }
+  size_t rowBytes() const {
+#if CROSSBAR_MOE_CUDA_TENSORS
+    if (cuda_) return cuda_->rowBytes();
+#endif
+    return buf_->rowBytes();
+  }
+  int device() const {
+    return cuda_device_;
+  }
 
  private:
-  static void requireIdx(const at::Tensor& idx) {
-    requireCpuContiguous(idx, "topk_idx");
+  // layout() reads topk_idx on the host (crossbar/moe.py copies CUDA indices there).
+  static void requireIdx(const at::Tensor& idx, int cuda_device = -1) {
+    requireOnDevice(idx, cuda_device, "topk_idx");
     if (idx.scalar_type() != at::kLong || idx.dim() != 2)
       throw InvalidArgument("topk_idx must be int64 [tokens, topk]");
   }
+  void requireHandle(const PyHandle& h, const char* what) const {
+    bool ok = h.handle != nullptr;
+#if CROSSBAR_MOE_CUDA_TENSORS
+    if (cuda_) ok = h.cuda != nullptr;
+#endif
+    if (!ok)
+      throw InvalidArgument(std::string(what) + ": the handle is empty or comes from a " +
+                            (cuda_device_ >= 0 ? "CPU" : "CUDA") + " Buffer");
+  }
+
+#if CROSSBAR_MOE_CUDA_TENSORS
+  py::dict dispatchCuda(const at::Tensor& x, const at::Tensor& topk_idx,
+                        const std::optional<at::Tensor>& weights, const float* w,
+                        const std::optional<PyHandle>& cached) {
+    const auto& cfg = cuda_->config();
+    if (cached && !cached->cuda) throw InvalidArgument("dispatch: the cached handle comes from a CPU Buffer");
+    const auto dev = static_cast<c10::DeviceIndex>(cuda_device_);
+    c10::cuda::CUDAGuard guard(dev);
+    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(dev);
+    recordUse(x, stream);
+    recordUse(topk_idx, stream);
+    if (weights) recordUse(*weights, stream);
+    moe::CudaDispatchResult r;
+    {
+      py::gil_scoped_release release;
+      r = cuda_->dispatch(x.data_ptr(), static_cast<size_t>(x.size(0)), topk_idx.data_ptr<int64_t>(), w,
+                          stream.stream(), cached ? cached->cuda : nullptr);
+    }
+    const int64_t n = static_cast<int64_t>(r.num_recv), H = static_cast<int64_t>(cfg.hidden), k = cfg.topk;
+    const int64_t le = cuda_->numLocalExperts(),
+                  m = r.expert_offsets.empty() ? 0 : static_cast<int64_t>(r.expert_offsets.back());
+    const at::ScalarType st = scalarType(cfg.dtype);
+    const auto& own = r.storage;
+    const int d = cuda_device_;
+    py::dict out;
+    out["x"] = viewOf(r.x, st, {n, H}, own, d);
+    // These four live in the handle's routing indices: copies (on the stream), so that changing
+    // them cannot change the handle, as with the CPU path's independent tensors.
+    out["src_rank"] = viewOf(r.src_rank, at::kInt, {n}, own, d).clone();
+    out["src_token"] = viewOf(r.src_token, at::kInt, {n}, own, d).clone();
+    out["topk_idx"] = viewOf(r.topk_idx, at::kLong, {n, k}, own, d).clone();
+    out["expert_rows"] = viewOf(r.expert_rows, at::kInt, {m}, own, d).clone();
+    out["topk_weights"] = viewOf(r.topk_weights, at::kFloat, {n, k}, own, d);
+    out["expert_weights"] = viewOf(r.expert_weights, at::kFloat, {m}, own, d);
+    out["x_expert_major"] = viewOf(r.x_expert_major, st, {cfg.expert_major_copy ? m : 0, H}, own, d);
+    // Counts are known on the host when dispatch returns: CPU tensors (reading them never syncs).
+    out["recv_per_rank"] =
+        toTensor(r.recv_per_rank, at::kInt, {static_cast<int64_t>(r.recv_per_rank.size())});
+    out["tokens_per_expert"] = toTensor(r.tokens_per_expert, at::kInt, {le});
+    out["expert_offsets"] = toTensor(r.expert_offsets, at::kInt, {le + 1});
+    if (cfg.return_quantized && cfg.format != PayloadFormat::kNative) {
+      const moe::RowFormat f = moe::makeRowFormat(cfg);
+      // Shapes as the CPU path's ([0, 0] when nothing arrived).
+      const int64_t pb = n ? static_cast<int64_t>(f.payload_bytes) : 0,
+                    sb = n ? static_cast<int64_t>(f.scale_bytes) : 0;
+      out["q_payload"] = viewOf(r.q_payload, at::kByte, {n, pb}, own, d);
+      out["q_scales"] = viewOf(r.q_scales, at::kByte, {n, sb}, own, d);
+      out["q_global_scale"] = viewOf(r.q_global_scale, at::kFloat, {n}, own, d);
+    }
+    out["metrics"] = metricsDict(r.metrics);
+    PyHandle h;
+    h.cuda = r.handle;
+    out["handle"] = h;
+    return out;
+  }
+
+  py::tuple combineCuda(const at::Tensor& y, DataType yt, const PyHandle& h,
+                        const std::optional<at::Tensor>& weights, const float* w, bool expert_major) {
+    const auto dev = static_cast<c10::DeviceIndex>(cuda_device_);
+    c10::cuda::CUDAGuard guard(dev);
+    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(dev);
+    recordUse(y, stream);
+    if (weights) recordUse(*weights, stream);
+    // The handle's indices may come from a dispatch on another stream.
+    if (const at::Tensor* t = keptTensor(moe::handleStorage(*h.cuda))) recordUse(*t, stream);
+    moe::CudaCombineResult r;
+    {
+      py::gil_scoped_release release;
+      if (expert_major) {
+        moe::CudaDispatchResult d;
+        d.handle = h.cuda;
+        r = cuda_->combineExpertMajor(y.data_ptr(), yt, d, stream.stream(), w);
+      } else {
+        r = cuda_->combine(y.data_ptr(), yt, *h.cuda, stream.stream(), w);
+      }
+    }
+    const int64_t H = static_cast<int64_t>(cuda_->config().hidden);
+    // combineExpertMajor's storage keeps its temporary alive through an aliasing owner: find
+    // the output through the result pointer either way.
+    const int64_t tokens = static_cast<int64_t>(moe::handleTokens(*h.cuda));
+    at::Tensor out = viewOf(r.out, at::kFloat, {tokens, H}, {r.storage}, cuda_device_);
+    py::dict metrics;
+    metrics["inter_node_bytes"] = r.metrics.inter_node_bytes;
+    metrics["intra_node_bytes"] = r.metrics.intra_node_bytes;
+    return py::make_tuple(out, metrics);
+  }
+#endif
+
+  int cuda_device_ = -1;
   std::shared_ptr<Communicator> comm_;
   std::unique_ptr<MoeBuffer> buf_;
+#if CROSSBAR_MOE_CUDA_TENSORS
+  std::unique_ptr<moe::CudaMoeBuffer> cuda_;
+#endif
 };
 
 }  // namespace
@@ -217,19 +486,20 @@ class PyBuffer {
 void bindMoe(py::module_& m) {
   using namespace crossbar::torch_backend;
   auto s = m.def_submodule("_moe", "MoE dispatch/combine (see crossbar.moe)");
-  py::class_<PyHandle>(s, "Handle").def_property_readonly("num_recv", [](const PyHandle& h) {
-    return h.handle ? crossbar::moe::handleNumRecv(*h.handle) : 0;
-  });
+  s.attr("cuda") = py::bool_(CROSSBAR_MOE_CUDA_TENSORS != 0);  // CUDA tensors supported by this build
+  py::class_<PyHandle>(s, "Handle").def_property_readonly("num_recv", &PyHandle::numRecv);
   py::class_<PyBuffer>(s, "Buffer")
       .def(py::init<const py::object&, size_t, size_t, int, int, const std::string&, const std::string&, bool,
-                    int64_t, int64_t, int64_t, const std::string&>(),
+                    int64_t, int64_t, int64_t, const std::string&, int>(),
            py::arg("backend"), py::arg("max_tokens"), py::arg("hidden"), py::arg("topk"),
            py::arg("num_experts"), py::arg("dtype"), py::arg("format"), py::arg("return_quantized"),
            py::arg("expert_capacity"), py::arg("chunk_tokens"), py::arg("timeout_ms"),
-           py::arg("combine_wire"))
+           py::arg("combine_wire"), py::arg("cuda_device") = -1)
       .def("layout", &PyBuffer::layout)
       .def("dispatch", &PyBuffer::dispatch)
       .def("combine", &PyBuffer::combine)
+      .def("combine_expert_major", &PyBuffer::combineExpertMajor)
+      .def_property_readonly("device", &PyBuffer::device)
       .def_property_readonly("num_local_experts", &PyBuffer::numLocalExperts)
       .def_property_readonly("row_bytes", &PyBuffer::rowBytes);
 }

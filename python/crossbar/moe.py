@@ -15,8 +15,17 @@ once per destination node, then inside the node through shared memory).
 
 Expert ``e`` lives on rank ``e // (num_experts // world)``. Payloads: ``"native"`` (x's own
 bf16/f32, bit exact), ``"fp8"`` (e4m3 + one f32 scale per 128 channels), ``"mxfp8"`` (e4m3 +
-E8M0 scale per 32), ``"nvfp4"`` (e2m1 + e4m3 scale per 16 + an f32 per-tensor scale). CPU
-tensors (the host path); every call is collective over the group, in the same order.
+E8M0 scale per 32), ``"nvfp4"`` (e2m1 + e4m3 scale per 16 + an f32 per-tensor scale). Every
+call is collective over the group, in the same order.
+
+CPU tensors use the host path (default). CUDA tensors: ``Buffer(..., device="cuda")`` (the
+current device, or ``"cuda:N"``) runs the CUDA path (collectives/moe/cuda/moe_cuda.h) on
+torch's current stream, like NCCL collectives: dispatch/combine return once the work is
+queued (a dispatch without a cached handle first waits for topk_idx on the host), results are
+allocated by torch's caching allocator and are bit-identical to the CPU path's. The counts
+known on the host (recv_per_rank, tokens_per_expert, expert_offsets) stay CPU tensors.
+Within a node the ranks' GPUs must map each other's memory (or share one GPU); several nodes
+use NCCL (one rank per GPU).
 """
 
 from __future__ import annotations
@@ -69,6 +78,26 @@ class Dispatched:
         return self.x.shape[0]
 
 
+def cuda_available() -> bool:
+    """True when this build runs crossbar.moe on CUDA tensors (Buffer(device="cuda"))."""
+    return bool(getattr(_C._moe, "cuda", False))
+
+
+def _device_index(device) -> int:
+    """-1 for the CPU, else the CUDA device index."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cpu":
+        return -1
+    if dev.type != "cuda":
+        raise ValueError(f"device {dev}: crossbar.moe runs on 'cpu' or 'cuda' tensors")
+    if not cuda_available():
+        raise RuntimeError(
+            "crossbar.moe: this build has no CUDA MoE path (built without CUDA, or against a CPU-only torch); "
+            "use device='cpu'"
+        )
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def _backend(group):
     group = group if group is not None else dist.group.WORLD
     if group is None:
@@ -108,11 +137,13 @@ class Buffer:
         chunk_tokens: int = -1,
         combine_wire: torch.dtype = torch.float32,
         timeout: datetime.timedelta | None = None,
+        device: torch.device | str | None = None,
     ):
         """chunk_tokens: rows per pipelined network chunk (-1: CROSSBAR_MOE_CHUNK_TOKENS, 0: one).
         combine_wire: type of combine's per-node partial sums on the network (torch.bfloat16
         halves those bytes; each partial is rounded once). expert_capacity: per local expert,
-        assignments beyond it are dropped (-1: none)."""
+        assignments beyond it are dropped (-1: none). device: where the tokens live: None /
+        "cpu" (host path) or "cuda" / "cuda:N" (CUDA path; every tensor passed must be there)."""
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"dtype {dtype}: tokens must be torch.bfloat16 or torch.float32")
         if payload not in PAYLOADS:
@@ -123,6 +154,8 @@ class Buffer:
             raise ValueError("payload 'bf16' needs dtype=torch.bfloat16 (use 'native' for float32)")
         self.hidden, self.topk, self.num_experts, self.dtype = hidden, topk, num_experts, dtype
         self.payload = "native" if payload == "bf16" else payload
+        cuda_device = _device_index(device)
+        self.device = torch.device("cuda", cuda_device) if cuda_device >= 0 else torch.device("cpu")
         self._impl = _C._moe.Buffer(
             _backend(group),
             max_tokens,
@@ -136,6 +169,7 @@ class Buffer:
             chunk_tokens,
             int(timeout.total_seconds() * 1000) if timeout is not None else 0,
             "bfloat16" if combine_wire == torch.bfloat16 else "float32",
+            cuda_device,
         )
 
     @property
@@ -143,9 +177,11 @@ class Buffer:
         return self._impl.num_local_experts
 
     def layout(self, topk_idx: torch.Tensor, num_experts: int | None = None) -> Layout:
-        """Routing statistics of topk_idx [tokens, topk] (-1: no expert). Local."""
-        d = self._impl.layout(topk_idx.to(torch.int64).contiguous(), num_experts or self.num_experts)
-        return Layout(d["tokens_per_rank"], d["tokens_per_node"], d["tokens_per_expert"], d["is_token_in_rank"])
+        """Routing statistics of topk_idx [tokens, topk] (-1: no expert), on topk_idx's device.
+        Local (computed on the host: a CUDA topk_idx is copied there)."""
+        d = self._impl.layout(topk_idx.to(torch.int64).cpu().contiguous(), num_experts or self.num_experts)
+        out = (d["tokens_per_rank"], d["tokens_per_node"], d["tokens_per_expert"], d["is_token_in_rank"])
+        return Layout(*(t.to(topk_idx.device) for t in out))
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None, handle=None):
         """Sends each token [tokens, hidden] to the ranks of its top-k experts. Collective.
@@ -182,6 +218,13 @@ class Buffer:
     def combine_expert_major(self, y: torch.Tensor, dispatched: Dispatched, weights: torch.Tensor | None = None):
         """combine() of expert-major outputs [expert_rows.numel(), hidden]: each token's rows
         are summed here (times weights per expert-major row, e.g. dispatched.expert_weights)."""
+        if self.device.type == "cuda":
+            # Summed by a kernel in the CPU path's order (index_add_ on CUDA adds atomically).
+            if y.dtype not in (torch.bfloat16, torch.float32):
+                y = y.to(torch.float32)
+            w = weights.to(torch.float32).contiguous() if weights is not None else None
+            out, _ = self._impl.combine_expert_major(y.contiguous(), dispatched.handle, w)
+            return out
         rows = torch.zeros(dispatched.num_recv, self.hidden, dtype=torch.float32)
         yf = y.to(torch.float32)
         if weights is not None:
