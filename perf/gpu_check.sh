@@ -15,7 +15,7 @@
 #   ce         perf/gpu/ce_bandwidth: copy-engine bandwidth vs the D2D ceiling
 #   torch      perf/gpu/build_torch_ext.sh builds crossbar._C against THIS machine's torch (started
 #              in the background at the top, overlapping the GPU stages),
-#              then pytest tests/python -k cuda
+#              then pytest tests/python -k cuda (test_torch_cuda.py, test_moe_cuda.py)
 #   sanitizer  compute-sanitizer memcheck + racecheck on the selftest kernels
 # Logs and JSON results go to $OUT (or build-gpu-check-logs/). GPU_CHECK_BUILD_S (120) and
 # GPU_CHECK_TORCH_BUILD_S (150) bound the two builds (raise them on a slow machine).
