@@ -116,6 +116,8 @@ std::string processState(const Member& m) {
   return std::string(1, text[close + 2]);
 }
 
+}  // namespace
+
 // Liveness while a new epoch's communicator is built. Setup (rank records, shm and UCX
 // address exchange) waits for every member; one that died after the decision would
 // otherwise be waited for until CROSSBAR_CONNECT_TIMEOUT. This thread keeps this
@@ -215,6 +217,8 @@ class SetupWatch {
   std::vector<PeerFault> faults_;
   std::thread thread_;
 };
+
+namespace {
 
 // The store a new epoch's communicator is built over: its blocking calls run in 100 ms
 // slices and end with PeerFailure / Timeout as soon as the SetupWatch found a member
@@ -891,8 +895,12 @@ void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int m
   setup_faults_.clear();
   auto ctx_store = std::make_shared<WatchedStore>(
       std::make_shared<PrefixStore>(epochPrefix(epoch) + "/ctx", store_), my_rank);
-  auto watch =
-      std::make_shared<SetupWatch>(epochStore(epoch, true), members, my_rank, detect_timeout_, heartbeat_interval_);
+  // Started by applyDecision before the old epoch is torn down (that can take seconds:
+  // bounded UCX endpoint closes), so this rank's heartbeat never pauses meanwhile.
+  auto watch = std::move(setup_watch_);
+  if (!watch)
+    watch = std::make_shared<SetupWatch>(epochStore(epoch, true), members, my_rank, detect_timeout_,
+                                         heartbeat_interval_);
   ctx_store->watch(watch, fmt::format("epoch {} of '{}'", epoch, options_.name));
   try {
     comm_ = Communicator::create(ctx_store, my_rank, static_cast<int>(members.size()), co);
@@ -1079,6 +1087,9 @@ std::shared_ptr<Communicator> FaultTolerantComm::applyDecision(const std::string
   for (int r = 0; r < change.old_size; ++r)
     if (std::find(change.old_rank_of.begin(), change.old_rank_of.end(), r) == change.old_rank_of.end())
       change.excluded.push_back(r);
+  if (my_rank >= 0)
+    setup_watch_ = std::make_shared<SetupWatch>(epochStore(epoch, true), members, my_rank, detect_timeout_,
+                                                heartbeat_interval_);
   const uint64_t old_epoch = epoch_;
   if (detector_) detector_->stop();
   detector_.reset();

@@ -201,6 +201,8 @@ struct Agreement {
 Agreement agree(int size, int leader, const std::map<int, std::vector<PeerFault>>& views,
                 const std::set<int>& left = {});
 
+class SetupWatch;  // ft.cc: member liveness while an epoch's communicator is built
+
 class FaultTolerantComm {
  public:
   // Collective over the `size` initial ranks (epoch 0).
@@ -272,6 +274,7 @@ class FaultTolerantComm {
   // attached resources have not seen yet (composed with the next one).
   std::vector<PeerFault> setup_faults_;
   std::unique_ptr<EpochChange> unadvanced_;
+  std::shared_ptr<SetupWatch> setup_watch_;  // from the decision until enter() takes it
   std::unique_ptr<FailureDetector> detector_;
   std::shared_ptr<CallbackList> callbacks_;  // also holds the attached resources
 };
