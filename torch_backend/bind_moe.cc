@@ -188,7 +188,8 @@ class PyBuffer {
       return;
     }
 #if CROSSBAR_MOE_CUDA_TENSORS
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(cuda_device));
+    // No CUDAGuard here: without a usable device, create() raises crossbar's Unsupported with
+    // the reason, where torch's guard would raise a bare CUDA error.
     moe::CudaMoeBuffer::Options o;
     o.device = cuda_device;
     o.allocate = [cuda_device](size_t bytes, cudaStream_t) { return allocateTensor(bytes, cuda_device); };
