@@ -388,16 +388,26 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     gscale = nvfp4GlobalScale(a);
   }
 
-  // Each token is encoded (quantized) once, when first needed; the own node's rows are read from here.
+  // Each token is encoded (quantized) once, when first needed: straight into the network send
+  // buffer of the first remote node it goes to, else (own node only) into im.enc; later uses
+  // (other nodes, the own node's forwarding) read it from there.
   im.enc.resize(tokens * row);
-  std::vector<uint8_t> encoded(tokens, 0);
+  std::vector<const uint8_t*> encoded_at(tokens, nullptr);
   auto encodedRow = [&](int32_t t) -> const uint8_t* {
-    uint8_t* p = im.enc.data() + static_cast<size_t>(t) * row;
-    if (!encoded[t]) {
+    if (!encoded_at[t]) {
+      uint8_t* p = im.enc.data() + static_cast<size_t>(t) * row;
       im.encodeRow(x, t, topk_idx, topk_weights, gscale, p);
-      encoded[t] = 1;
+      encoded_at[t] = p;
     }
-    return p;
+    return encoded_at[t];
+  };
+  auto encodeInto = [&](int32_t t, uint8_t* dst) {
+    if (encoded_at[t]) {
+      std::memcpy(dst, encoded_at[t], row);
+    } else {
+      im.encodeRow(x, t, topk_idx, topk_weights, gscale, dst);
+      encoded_at[t] = dst;
+    }
   };
 
   // 1. network. Per remote node a header message [rows, chunk rows, rows for each local rank
@@ -433,7 +443,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
       if (m == im.me_node || c >= dataChunks(list.size(), C)) continue;
       const size_t lo = c * C, hi = std::min(list.size(), lo + C);
       uint8_t* buf = im.net_send[m].data();
-      for (size_t i = lo; i < hi; ++i) std::memcpy(buf + i * row, encodedRow(list[i]), row);
+      for (size_t i = lo; i < hi; ++i) encodeInto(list[i], buf + i * row);
       clk.lap("encode");
       im.sendPieces(sends, buf + lo * row, (hi - lo) * row, im.node_ranks[m][im.me_local],
                     tag + 1 + static_cast<uint32_t>(c));
