@@ -386,9 +386,9 @@ class FlatAllToAll {
 // ---------------------------------------------------------------- the benchmark
 
 // Phases of MoeBuffer's dispatch / combine (MoeMetrics::phases), in call order.
-const std::vector<const char*> kDispatchPhases{"layout",     "encode",     "post",  "wait ack",
-                                               "forward",    "wait net",   "wait sends", "wait local",
-                                               "order",      "alloc",      "decode",     "expert major"};
+const std::vector<const char*> kDispatchPhases{"layout",  "encode",   "post",       "wait ack",
+                                               "forward", "wait net", "wait sends", "wait local",
+                                               "order",   "alloc",    "decode",     "expert major"};
 const std::vector<const char*> kCombinePhases{"wait ack", "write",    "post", "wait local",
                                               "reduce",   "wait net", "sum",  "wait sends"};
 

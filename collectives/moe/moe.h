@@ -141,7 +141,8 @@ class MoeBuffer {
   // for the new result (a fresh x of tens of MB costs page faults on every call, as much as
   // decoding it) and it is left without them.
   DispatchResult dispatch(const void* x, size_t tokens, const int64_t* topk_idx, const float* topk_weights,
-                          std::shared_ptr<const MoeHandle> cached = nullptr, DispatchResult* recycle = nullptr);
+                          std::shared_ptr<const MoeHandle> cached = nullptr,
+                          DispatchResult* recycle = nullptr);
 
   // Collective. y: [handle's num_recv x hidden] of y_type (kBFloat16 or kFloat32), rows as
   // dispatch returned them; weights (optional, [num_recv]) scale each row. Sums in f32.
