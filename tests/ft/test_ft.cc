@@ -71,7 +71,9 @@ void killTrial(int n, uint32_t seed, int ranks_per_node = 0, const std::string& 
       [&](RankEnv& env) {
         auto ft = FaultTolerantComm::create(env.store, env.rank, n, ftOptions(env));
         auto coll = std::make_unique<Collectives>(ft->comm());
-        step(*coll, 0, seed);
+        // Baseline after every kind of step ran once: small calls use the eager slots,
+        // larger ones the staging heap, each created on first use.
+        for (int it = 0; it < 4; ++it) step(*coll, it, seed);
         const int maps0 = countShmMaps(), fds0 = countFds();
         const int local0 = ft->comm()->localSize();
         std::thread killer;
