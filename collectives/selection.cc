@@ -477,8 +477,9 @@ Selection selectAlgorithm(const CollArgs& args, const Communicator& comm, const 
       continue;
     const Algorithm* a = rowAlgorithm(i, r);
     if (!a || !a->applies(args, comm).empty()) continue;
-    // The reason is for the INFO log only: formatting it costs more than a small call.
-    if (!log::enabled(log::Level::kInfo)) return {a, {}};
+    // A table pick's reason is for the INFO log only (formatting it costs more than a
+    // small call); a forced choice that did not apply always says why.
+    if (fallback_note.empty() && !log::enabled(log::Level::kInfo)) return {a, {}};
     return {a, "table: " + ruleText(r) + fallback_note};
   }
   for (const Algorithm& a : memory == MemoryKind::kHost ? algorithms() : cudaAlgorithms())

@@ -51,7 +51,7 @@ AlgoOverride parseAlgoOverride(const std::string& text);
 
 struct Selection {
   const Algorithm* algorithm = nullptr;
-  std::string reason;  // "table: 64K <= bytes", "CollOptions.algorithm", ... (table picks: INFO log on only)
+  std::string reason;  // "table: 64K <= bytes", "CollOptions.algorithm", ... (table picks: only with INFO logging on; a forced choice that fell back: always)
 };
 
 // Argument checks shared by the host and CUDA front ends (collectives.cc): counts,
