@@ -138,7 +138,7 @@ struct Call {
         }
         input(r, send, blk);
         recv.assign(blk * p, 0xEE);
-        if (inplace) std::memcpy(recv.data() + r * blk, send.data(), blk);
+        if (inplace && blk) std::memcpy(recv.data() + r * blk, send.data(), blk);  // size 0: data() may be null
         work = c.allgather(inplace ? recv.data() + r * blk : send.data(), recv.data(), n, type, o);
         break;
       }
@@ -147,7 +147,7 @@ struct Call {
         for (int q = 0; q < p; ++q) {
           std::vector<uint8_t> b;
           input(q, b, blk * p);
-          std::memcpy(want.data() + q * blk, b.data() + r * blk, blk);
+          if (blk) std::memcpy(want.data() + q * blk, b.data() + r * blk, blk);
         }
         input(r, send, blk * p);
         if (inplace) {

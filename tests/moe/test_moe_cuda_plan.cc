@@ -68,7 +68,7 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
   std::vector<uint8_t> F(sx.nf * xrow, 0xFF);
   {
     auto own = gather(x.data(), p.node_send[t.me_node], xrow);
-    std::memcpy(F.data() + p.fwd_start[t.me_node] * xrow, own.data(), own.size());
+    if (!own.empty()) std::memcpy(F.data() + p.fwd_start[t.me_node] * xrow, own.data(), own.size());
   }
   std::vector<std::vector<uint8_t>> keep(t.N), net_in(t.N);
   std::vector<RequestPtr> reqs, net;
@@ -97,7 +97,8 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
   forward(0);
   comm.waitAll(net, dl);
   for (int m = 0; m < t.N; ++m)
-    if (m != t.me_node) std::memcpy(F.data() + p.fwd_start[m] * xrow, net_in[m].data(), net_in[m].size());
+    if (m != t.me_node && !net_in[m].empty())
+      std::memcpy(F.data() + p.fwd_start[m] * xrow, net_in[m].data(), net_in[m].size());
   forward(1);
   // Every slot position written once, with the row fwd_to_local says.
   for (int j = 0; j < t.L; ++j)
