@@ -49,8 +49,10 @@ namespace {
 // operation sequence number and 6 bits for an algorithm's sub-phases.
 constexpr uint32_t kCollTagBase = kInternalTagBase | 0x08000000u;
 constexpr uint32_t kSeqBits = 20, kSubBits = 6;
-// How long a runnable head is left to waiting threads before the worker claims it.
+// How long a runnable head is left to waiting threads before the worker claims it, and
+// how often the worker looks again while others execute or wait.
 constexpr auto kHandOffGrace = std::chrono::microseconds(50);
+constexpr auto kWorkerPoll = std::chrono::microseconds(500);
 uint32_t opTag(uint64_t seq) {
   return kCollTagBase | (static_cast<uint32_t>(seq & ((1u << kSeqBits) - 1)) << kSubBits);
 }
@@ -178,8 +180,6 @@ struct Queue {
     executing = false;
     last_end = Clock::now();
     cv.notify_all();
-    // More queued work may now be the worker's (it sleeps while others execute).
-    if (!items.empty()) worker_cv.notify_one();
   }
 
   // The worker thread's loop: runs heads nobody else runs, until stopped and drained.
@@ -191,16 +191,14 @@ struct Queue {
           runHead(lk);
           continue;
         }
-        // Woken when the last helper leaves (wait()) or stop; no polling while others wait.
-        if (helpers == 0)
-          worker_cv.wait_until(lk, workerClaimsAt());
-        else
-          worker_cv.wait(lk);
+        worker_cv.wait_until(lk, helpers == 0 ? workerClaimsAt() : Clock::now() + kWorkerPoll);
         continue;
       }
       if (stop && items.empty()) return;
-      // Empty, or another thread executes: woken by enqueue, by runHead's end, or stop.
-      worker_cv.wait(lk);
+      if (items.empty())
+        worker_cv.wait(lk);
+      else
+        worker_cv.wait_for(lk, kWorkerPoll);  // another thread executes; the rest may be ours
     }
   }
 };
@@ -237,8 +235,7 @@ void WorkImpl::wait(Deadline deadline) {
     const bool helper = q_->items.empty() || now + q_->items.front()->timeout <= deadline.at();
     if (helper) ++q_->helpers;
     q_->cv.wait_for(lk, std::min<Millis>(deadline.remaining(), Millis(100)));
-    // The worker sleeps while helpers wait; the last one leaving hands runnable work back.
-    if (helper && --q_->helpers == 0 && q_->canRunHead()) q_->worker_cv.notify_one();
+    if (helper) --q_->helpers;
   }
   if (err) std::rethrow_exception(err);
 }
@@ -593,9 +590,8 @@ void Collectives::Impl::enqueue(const std::shared_ptr<WorkImpl>& w, Millis timeo
   w->default_wait = Deadline::after(timeout * static_cast<int64_t>(ahead + 1) + Millis(5000));
   w->enqueued = Clock::now();
   q->items.push_back(w);
-  // A non-empty queue already has a wake-up coming for the worker (runHead's end, the
-  // last helper leaving, or its grace timer); waiters need none (their own operation is
-  // still ahead of or at this one).
+  // Only an empty queue leaves the worker asleep without a timeout; waiters need no
+  // wake-up (their own operation is still ahead of or at this one).
   if (q->items.size() == 1) q->worker_cv.notify_one();
 }
 
