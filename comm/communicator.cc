@@ -4,7 +4,9 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
+#include <mutex>
 #include <sstream>
 
 #include "comm/bootstrap.h"
@@ -164,6 +166,70 @@ constexpr uint32_t kBarrierTag = kInternalTagBase + 1;
 constexpr uint32_t kMaxCommId = 0xFFFF;
 }  // namespace
 
+// A split shares the context's transports, so its abort cannot stop them: it fails the
+// requests it issued (tracked here while pending) and refuses new ones. Splits made from
+// it are aborted with it (their state hangs off this one).
+struct Communicator::SplitAbort {
+  std::atomic<bool> aborted{false};
+  std::mutex mutex;
+  std::string reason;
+  std::exception_ptr error;
+  std::vector<std::weak_ptr<Request>> pending;
+  size_t prune_at = 64;
+  std::vector<std::weak_ptr<SplitAbort>> children;
+
+  // A new split of `parent` (null: a split of the context's own communicator).
+  static std::shared_ptr<SplitAbort> childOf(const std::shared_ptr<SplitAbort>& parent) {
+    auto state = std::make_shared<SplitAbort>();
+    if (!parent) return state;
+    std::lock_guard<std::mutex> lock(parent->mutex);
+    if (parent->aborted.load()) {  // made from an aborted split: born aborted
+      state->reason = parent->reason;
+      state->error = parent->error;
+      state->aborted.store(true);
+    } else {
+      std::erase_if(parent->children, [](const auto& c) { return c.expired(); });
+      parent->children.push_back(state);
+    }
+    return state;
+  }
+
+  void track(const RequestPtr& r) {
+    std::unique_lock<std::mutex> lock(mutex);
+    if (aborted.load()) {  // issued while the abort ran
+      lock.unlock();
+      r->fail(error);
+      return;
+    }
+    pending.push_back(r);
+    if (pending.size() >= prune_at) {
+      std::erase_if(pending, [](const auto& w) {
+        auto q = w.lock();
+        return !q || q->done();
+      });
+      prune_at = std::max<size_t>(64, 2 * pending.size());
+    }
+  }
+
+  void abort(const std::string& why, std::exception_ptr err) {
+    std::vector<std::weak_ptr<Request>> to_fail;
+    std::vector<std::weak_ptr<SplitAbort>> kids;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (aborted.load()) return;
+      reason = why;
+      error = err;
+      aborted.store(true);
+      to_fail.swap(pending);
+      kids.swap(children);
+    }
+    for (auto& w : to_fail)
+      if (auto r = w.lock()) r->fail(err);
+    for (auto& w : kids)
+      if (auto k = w.lock()) k->abort(why, err);
+  }
+};
+
 std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store, int rank, int size,
                                                    CommOptions options) {
   log::setRank(rank);
@@ -179,6 +245,7 @@ std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store,
   comm->name_ = options.name.empty() ? "world" : options.name;
   comm->store_ = std::make_shared<PrefixStore>("comm0", comm->context_->store());
   comm->local_peers_ = comm->nodePeers(rank);
+  comm->num_nodes_ = comm->countNodes();
   comm->local_rank_ = static_cast<int>(
       std::find(comm->local_peers_.begin(), comm->local_peers_.end(), rank) - comm->local_peers_.begin());
   CB_INFO("comm", "{}", comm->describe());
@@ -199,7 +266,7 @@ int Communicator::localRank() const { return local_rank_; }
 int Communicator::localSize() const { return static_cast<int>(local_peers_.size()); }
 int Communicator::node() const { return nodeOf(rank_); }
 int Communicator::nodeOf(int rank) const { return topology().node(members_.at(rank)); }
-int Communicator::numNodes() const {
+int Communicator::countNodes() const {
   std::vector<int> nodes;
   for (int w : members_) nodes.push_back(topology().node(w));
   std::sort(nodes.begin(), nodes.end());
@@ -229,15 +296,11 @@ RequestPtr Communicator::isend(const void* data, size_t bytes, int peer, uint32_
                                       errorContext(rank_, "send"), peer, size()));
   if (!data && bytes)
     throw InvalidArgument(fmt::format("{}null buffer for {} bytes to rank {}", errorContext(rank_, "send"), bytes, peer));
-  if (context_->aborted()) {
-    if (auto error = context_->abortError()) std::rethrow_exception(error);
-    throw Aborted(fmt::format("{}communicator {} was aborted: {}", errorContext(rank_, "send"), name_,
-                              context_->abortReason()));
-  }
+  if (aborted()) throwAborted("send");
   if (peer == rank_)
     throw InvalidUsage(fmt::format("{}sending to self (rank {}) is not supported; copy locally instead",
                                    errorContext(rank_, "send"), peer));
-  return context_->transportTo(members_[peer]).isend(members_[peer], fullTag(tag), data, bytes);
+  return track(context_->transportTo(members_[peer]).isend(members_[peer], fullTag(tag), data, bytes));
 }
 
 RequestPtr Communicator::irecv(void* data, size_t capacity, int peer, uint32_t tag) {
@@ -247,15 +310,11 @@ RequestPtr Communicator::irecv(void* data, size_t capacity, int peer, uint32_t t
                                       errorContext(rank_, "recv"), peer, size()));
   if (!data && capacity)
     throw InvalidArgument(fmt::format("{}null buffer for {} bytes from rank {}", errorContext(rank_, "recv"), capacity, peer));
-  if (context_->aborted()) {
-    if (auto error = context_->abortError()) std::rethrow_exception(error);
-    throw Aborted(fmt::format("{}communicator {} was aborted: {}", errorContext(rank_, "recv"), name_,
-                              context_->abortReason()));
-  }
+  if (aborted()) throwAborted("recv");
   if (peer == rank_)
     throw InvalidUsage(fmt::format("{}receiving from self (rank {}) is not supported; copy locally instead",
                                    errorContext(rank_, "recv"), peer));
-  return context_->transportTo(members_[peer]).irecv(members_[peer], fullTag(tag), data, capacity);
+  return track(context_->transportTo(members_[peer]).irecv(members_[peer], fullTag(tag), data, capacity));
 }
 
 RequestPtr Communicator::irecvAnySource(void* data, size_t capacity, uint32_t tag) {
@@ -265,14 +324,10 @@ RequestPtr Communicator::irecvAnySource(void* data, size_t capacity, uint32_t ta
   if (size() < 2)
     throw InvalidUsage(fmt::format("{}communicator {} has no other rank to receive from",
                                    errorContext(rank_, "recv from any rank"), name_));
-  if (context_->aborted()) {
-    if (auto error = context_->abortError()) std::rethrow_exception(error);
-    throw Aborted(fmt::format("{}communicator {} was aborted: {}", errorContext(rank_, "recv from any rank"),
-                              name_, context_->abortReason()));
-  }
-  return context_->anySource().post(
+  if (aborted()) throwAborted("recv from any rank");
+  return track(context_->anySource().post(
       fullTag(tag), tag, data, capacity, members_,
-      fmt::format("recv of up to {} bytes tag {} from any rank of {} (size {})", capacity, tag, name_, size()));
+      fmt::format("recv of up to {} bytes tag {} from any rank of {} (size {})", capacity, tag, name_, size())));
 }
 
 void Communicator::send(const void* data, size_t bytes, int peer, uint32_t tag) {
@@ -330,7 +385,7 @@ void Communicator::barrier(Deadline deadline) {
 
 void Communicator::destroy() {
   if (!context_) return;
-  if (!context_->aborted()) {
+  if (!aborted()) {
     try {
       barrier(Deadline::after(std::min(timeout_, Millis(10'000))));
     } catch (const std::exception& e) {
@@ -341,11 +396,60 @@ void Communicator::destroy() {
   store_.reset();
 }
 
-void Communicator::abort(const std::string& reason) { context_->abort(reason); }
+void Communicator::abort(const std::string& reason) { abort(reason, nullptr); }
+
 void Communicator::abort(const std::string& reason, std::exception_ptr error) {
-  context_->abort(reason, std::move(error));
+  if (!split_abort_) {
+    context_->abort(reason, std::move(error));
+    return;
+  }
+  if (split_abort_->aborted.load() || context_->aborted()) return;
+  if (!error)
+    error = std::make_exception_ptr(Aborted(fmt::format("{}communicator {} was aborted: {}",
+                                                        errorContext(rank_, "abort"), name_, reason)));
+  CB_INFO("comm", "{} aborted ({}): its pending operations fail; the transports it shares stay up", name_, reason);
+  split_abort_->abort(reason, std::move(error));
 }
-bool Communicator::aborted() const { return context_->aborted(); }
+
+bool Communicator::aborted() const {
+  return context_->aborted() || (split_abort_ && split_abort_->aborted.load());
+}
+
+void Communicator::throwIfAborted(const std::string& prefix) const {
+  context_->throwIfAborted(prefix);
+  if (!split_abort_ || !split_abort_->aborted.load()) return;
+  std::exception_ptr error;
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(split_abort_->mutex);
+    error = split_abort_->error;
+    reason = split_abort_->reason;
+  }
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error& e) {
+    if (e.code() == ErrorCode::kPeerFailure) throw PeerFailure(prefix + e.what(), e.peers());
+    if (e.code() == ErrorCode::kTimeout) throw Timeout(prefix + e.what(), e.peers());
+    throw Aborted(prefix + e.what(), e.peers());
+  } catch (const std::exception& e) {
+    throw Aborted(prefix + e.what());
+  }
+}
+
+void Communicator::throwAborted(const char* op) const {
+  if (context_->aborted()) {
+    if (auto error = context_->abortError()) std::rethrow_exception(error);
+    throw Aborted(fmt::format("{}communicator {} was aborted: {}", errorContext(rank_, op), name_,
+                              context_->abortReason()));
+  }
+  std::lock_guard<std::mutex> lock(split_abort_->mutex);
+  std::rethrow_exception(split_abort_->error);
+}
+
+RequestPtr Communicator::track(RequestPtr request) {
+  if (split_abort_ && !request->done()) split_abort_->track(request);
+  return request;
+}
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key) {
   const std::string op = name_ + " split";
@@ -359,8 +463,8 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key) {
     // instead of at the deadline.
     std::string text;
     while (text.empty()) {
-      context_->throwIfAborted(errorContext(rank_, op) +
-                               fmt::format("the communicator was aborted while waiting for rank {}'s split(): ", r));
+      throwIfAborted(errorContext(rank_, op) +
+                     fmt::format("the communicator was aborted while waiting for rank {}'s split(): ", r));
       try {
         text = toString(store_->get(fmt::format("split/{}/{}", seq, r), deadline.min(Deadline::after(Millis(100)))));
       } catch (const Timeout&) {
@@ -437,8 +541,8 @@ std::shared_ptr<Communicator> Communicator::splitMembers(const std::vector<int>&
   const Deadline deadline = defaultDeadline();
   std::string text;
   while (text.empty()) {  // in slices, so an abort ends the wait at once
-    context_->throwIfAborted(errorContext(rank_, op) +
-                             fmt::format("the communicator was aborted while waiting for rank {}: ", ranks[0]));
+    throwIfAborted(errorContext(rank_, op) +
+                   fmt::format("the communicator was aborted while waiting for rank {}: ", ranks[0]));
     try {
       text = toString(store_->get(id_key, deadline.min(Deadline::after(Millis(100)))));
     } catch (const Timeout&) {
@@ -456,6 +560,7 @@ std::shared_ptr<Communicator> Communicator::makeChild(std::vector<int> members, 
                                                       const std::string& name) {
   auto child = std::shared_ptr<Communicator>(new Communicator());
   child->context_ = context_;
+  child->split_abort_ = SplitAbort::childOf(split_abort_);
   child->members_ = std::move(members);
   child->rank_ = new_rank;
   child->id_ = id;
@@ -464,6 +569,7 @@ std::shared_ptr<Communicator> Communicator::makeChild(std::vector<int> members, 
   child->timeout_ = timeout_;
   child->store_ = std::make_shared<PrefixStore>(fmt::format("comm{}", id), context_->store());
   child->local_peers_ = child->nodePeers(new_rank);
+  child->num_nodes_ = child->countNodes();
   child->local_rank_ = static_cast<int>(std::find(child->local_peers_.begin(), child->local_peers_.end(), new_rank) -
                                         child->local_peers_.begin());
   CB_INFO("comm", "{}", child->describe());

@@ -43,7 +43,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int localRank() const;
   int localSize() const;
   int node() const;
-  int numNodes() const;
+  int numNodes() const { return num_nodes_; }  // computed once at construction
   // Ranks of this communicator on the same node as `rank`, in rank order.
   std::vector<int> nodePeers(int rank) const;
   int nodeOf(int rank) const;
@@ -83,6 +83,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<Communicator> splitMembers(const std::vector<int>& ranks, const std::string& name = {});
 
   // Fails every pending operation with Aborted; thread-safe, idempotent, nonblocking.
+  // On the communicator create() made, this aborts the context: its transports and every
+  // communicator split from it. On a split (split/dup/splitMembers) only this
+  // communicator and the splits made from it: their pending and later operations fail,
+  // the shared transports and the other communicators stay usable. A transport may
+  // still write into (or read from) the buffer of a receive (send) failed that way
+  // until its message arrives or the context ends: keep such buffers alive that long.
   void abort(const std::string& reason = "abort() called");
   // Same, but pending and later operations fail with `error` (e.g. PeerFailure naming
   // the failed ranks) instead of Aborted.
@@ -104,8 +110,18 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   Communicator() = default;
   uint64_t fullTag(uint32_t tag) const { return (static_cast<uint64_t>(id_) << 32) | tag; }
   RequestPtr irecvAnySource(void* data, size_t capacity, uint32_t tag);
+  int countNodes() const;
   std::shared_ptr<Communicator> makeChild(std::vector<int> members, int new_rank, uint32_t id,
                                           const std::string& name);
+  // Throws (prefix + why) when the context or this communicator was aborted.
+  void throwIfAborted(const std::string& prefix) const;
+  [[noreturn]] void throwAborted(const char* op) const;  // once aborted(): the abort's error
+  RequestPtr track(RequestPtr request);  // a split's pending operations, for its abort
+
+  // A split's own abort state (null on the communicator that made the context, whose
+  // abort is the context's): its pending requests and the splits made from it.
+  struct SplitAbort;
+  std::shared_ptr<SplitAbort> split_abort_;
 
   std::shared_ptr<Context> context_;
   std::vector<int> members_;  // communicator rank -> context (world) rank
@@ -117,6 +133,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::string name_;
   Millis timeout_{0};
   std::vector<int> local_peers_;  // communicator ranks on my node, in rank order
+  int num_nodes_ = 1;             // distinct nodes among members_ (countNodes())
   int local_rank_ = 0;
   std::shared_ptr<Store> store_;
 };
