@@ -121,6 +121,11 @@ CROSSBAR_HDI BlockAmax mergeAmax(BlockAmax a, BlockAmax b) {
   return BlockAmax{a.amax > b.amax ? a.amax : b.amax, a.nonFinite || b.nonFinite};
 }
 
+// A NaN's sign and payload after arithmetic differ between the CPU (x86 keeps the NaN
+// operand's bits) and the GPU (always 0x7FFFFFFF): decoders return this one quiet NaN, so
+// both sides give the same bytes.
+CROSSBAR_HDI float canonicalNan(float v) { return isNanFloat(v) ? bitsFloat(0x7FC00000u) : v; }
+
 // ---- fp8 e4m3, f32 scale per 128 ---------------------------------------------------------
 CROSSBAR_HDI float fp8BlockScale(BlockAmax s) {
   if (s.nonFinite) return bitsFloat(0x7FC00000u);
@@ -134,7 +139,7 @@ CROSSBAR_HDI uint8_t fp8BlockEncode(float x, float scale) {
 }
 
 CROSSBAR_HDI float fp8BlockDecode(uint8_t q, float scale) {
-  return e4m3BitsToFloat(q) * scale;
+  return canonicalNan(e4m3BitsToFloat(q) * scale);
 }
 
 // Quantizes one block of count (<= 128) values; returns its scale.
@@ -177,7 +182,7 @@ CROSSBAR_HDI uint8_t mxfp8Encode(float x, uint8_t scale) {
 }
 
 CROSSBAR_HDI float mxfp8Decode(uint8_t q, uint8_t scale) {
-  return e4m3BitsToFloat(q) * e8m0BitsToFloat(scale);
+  return canonicalNan(e4m3BitsToFloat(q) * e8m0BitsToFloat(scale));
 }
 
 template <class T>
@@ -219,7 +224,7 @@ CROSSBAR_HDI uint8_t nvfp4Encode(float x, float d) {
 }
 
 CROSSBAR_HDI float nvfp4Decode(uint8_t code, float d) {
-  return e2m1BitsToFloat(code & 0xFu) * d;
+  return canonicalNan(e2m1BitsToFloat(code & 0xFu) * d);
 }
 
 // Quantizes one block of count (<= 16) values into (count + 1) / 2 packed bytes (low

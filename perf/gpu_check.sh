@@ -11,6 +11,8 @@
 #   perf       all_reduce_perf / all_gather_perf / alltoall_perf --mem cuda --nranks 2
 #              (two processes sharing the GPU; small-message latency and bandwidth), and
 #              moe_dispatch_perf --mem cuda --nranks 2 (MoE dispatch/combine, 30 s)
+#   mps        the 2-rank small-message perf runs again under the MPS daemon (both ranks'
+#              kernels at once, as on two GPUs; skipped where MPS is unavailable)
 #   matmul     perf/gpu/matmul_overlap: bf16 matmul alone vs with copy-engine / SM copies
 #   ce         perf/gpu/ce_bandwidth: copy-engine bandwidth vs the D2D ceiling
 #   torch      perf/gpu/build_torch_ext.sh builds crossbar._C against THIS machine's torch (started
@@ -249,6 +251,8 @@ if want perf; then
   elif [ "$lim" = 0 ]; then record "perf moe_cuda_2r" SKIP "out of time"
   else
     note "moe_dispatch_perf --mem cuda --nranks 2 (limit ${lim}s)"
+    timeout "$lim" "$MOE" --mem cuda --nranks 1 --tokens 128,1024,4096 --hidden 7168 --formats native,fp8,mxfp8,nvfp4 \
+      --experts 64 --iters 20 --warmup 5 > "$LOG/perf-moe_cuda_1r.log" 2>&1 && cat "$LOG/perf-moe_cuda_1r.log"
     timeout "$lim" "$MOE" --mem cuda --nranks 2 --tokens 128,1024 --hidden 7168 --formats native,fp8,nvfp4 \
       --experts 64 --iters 10 --warmup 3 > "$LOG/perf-moe_cuda_2r.log" 2>&1
     rc=$?
@@ -258,6 +262,34 @@ if want perf; then
     else
       record "perf moe_cuda_2r" FAIL "exit $rc; $(grep -m2 -iE 'error|failed|unsupported' "$LOG/perf-moe_cuda_2r.log" | tr '\n' ' ' | cut -c1-160)"
     fi
+  fi
+fi
+
+# ---- the same small-message runs under MPS ---------------------------------------------------
+# Two processes on one GPU without MPS take turns on it (time slices of a few hundred us to
+# ms), so a kernel waiting for the other rank's kernel waits out a slice: the plain 2-rank
+# latencies above measure the time slicing. Under the MPS daemon both ranks' kernels run at
+# once, as on two GPUs. Skipped where nvidia-cuda-mps-control is missing or fails to start.
+if want mps; then
+  MPSCTL=$(command -v nvidia-cuda-mps-control || true)
+  if [ -z "$MPSCTL" ]; then
+    record "perf (MPS)" SKIP "nvidia-cuda-mps-control not found"
+  elif [ "$(limit 30)" = 0 ]; then
+    record "perf (MPS)" SKIP "out of time"
+  else
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/crossbar-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/crossbar-mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if timeout 20 "$MPSCTL" -d; then
+      sleep 1
+      perf_run all_reduce_2r_mps all_reduce_perf --nranks 2 -b 8 -e 64M -f 8 -n 50 -w 10
+      perf_run all_reduce_2r_symm_mps all_reduce_perf --nranks 2 -b 8 -e 1M -f 8 -n 200 -w 20 -R 2
+      perf_run alltoall_2r_mps alltoall_perf --nranks 2 -b 1K -e 64M -f 8 -n 20 -w 5
+      echo quit | timeout 20 "$MPSCTL" || true
+      cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$LOG/mps-control.log" 2>/dev/null
+    else
+      record "perf (MPS)" SKIP "the MPS daemon did not start"
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
   fi
 fi
 
@@ -326,7 +358,7 @@ if want torch; then
       elif ! python3 -c 'import pytest' 2>/dev/null; then
         record "torch pytest -k cuda" SKIP "pytest is not installed for python3 (pip install pytest)"
       else
-        (cd "$ROOT" && CROSSBAR_BUILD_DIR=$TEXT timeout "$lim" python3 -m pytest -q -x -k cuda \
+        (cd "$ROOT" && CROSSBAR_BUILD_DIR=$TEXT timeout "$lim" python3 -m pytest -q -k cuda \
           -p no:cacheprovider tests/python) > "$LOG/torch-pytest.log" 2>&1
         rc=$?
         tail -15 "$LOG/torch-pytest.log"

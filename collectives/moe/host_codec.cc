@@ -33,7 +33,7 @@ namespace scalar {
 
 template <class T>
 void scaleBlock(const float* lut, const uint8_t* q, int count, float scale, T* out) {
-  for (int i = 0; i < count; ++i) out[i] = fromFloat<T>(lut[q[i]] * scale);
+  for (int i = 0; i < count; ++i) out[i] = fromFloat<T>(canonicalNan(lut[q[i]] * scale));
 }
 
 // binary32 bits of element i (plain integer loads, which the vectorizer handles).
@@ -157,7 +157,7 @@ void decodeRow(PayloadCodec codec, const uint8_t* payload, const void* scales, s
         const uint8_t* packed = payload + i / 2;
         for (int e = 0; e < count; ++e) {
           const uint8_t code = (e & 1) ? (packed[e / 2] >> 4) : (packed[e / 2] & 0xFu);
-          out[i + e] = fromFloat<T>(t.e2m1[code] * d);
+          out[i + e] = fromFloat<T>(canonicalNan(t.e2m1[code] * d));
         }
       }
       return;
@@ -475,6 +475,12 @@ CROSSBAR_AVX2 inline void store8(BFloat16* out, __m256 v, int n) {
   std::memcpy(out, tmp, 2 * static_cast<size_t>(n));
 }
 
+// a * b with any NaN result replaced by canonicalNan's (quant.h): the GPU's bytes.
+CROSSBAR_AVX2 inline __m256 mulCanonical(__m256 a, __m256 b) {
+  const __m256 p = _mm256_mul_ps(a, b);
+  return _mm256_blendv_ps(p, _mm256_castsi256_ps(set1(0x7FC00000u)), _mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+}
+
 // Eight code bytes widened to 32-bit lanes; n < 8 reads n.
 CROSSBAR_AVX2 inline __m256i codes8(const uint8_t* q, int n) {
   uint64_t v = 0;
@@ -500,12 +506,12 @@ CROSSBAR_AVX2 void e4m3Decode(const uint8_t* q, int count, float scale, bool daz
       __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(mag, sign)), rebias);
       v = _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_or_si256(sign, set1(0x7FC00000u))),
                            _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, nan_mag)));
-      store8(out + i, _mm256_mul_ps(v, s), 8);
+      store8(out + i, mulCanonical(v, s), 8);
     }
   }
   for (; i < count; i += 8) {
     const int n = count - i < 8 ? count - i : 8;
-    store8(out + i, _mm256_mul_ps(e4m3Values(codes8(q + i, n)), s), n);
+    store8(out + i, mulCanonical(e4m3Values(codes8(q + i, n)), s), n);
   }
 }
 
@@ -525,7 +531,7 @@ CROSSBAR_AVX2 void nvfp4Decode(const uint8_t* packed, int count, float d, __m256
     const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, set1(0x8u)), 28);
     const __m256 v = _mm256_or_ps(mag, _mm256_castsi256_ps(sign));
     const int n = count - half * 8 < 8 ? count - half * 8 : 8;
-    store8(out + half * 8, _mm256_mul_ps(v, vd), n);
+    store8(out + half * 8, mulCanonical(v, vd), n);
   }
 }
 

@@ -1,6 +1,7 @@
 #include "symmem/cuda/nccl_ft.h"
 
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -15,6 +16,20 @@ namespace {
 constexpr int kShrinkVersion = 22700;  // ncclCommShrink
 constexpr int kRevokeVersion = 22800;  // ncclCommRevoke
 constexpr int kShrinkAbort = 0x01;     // NCCL_SHRINK_ABORT: stop the parent's work, then shrink
+
+// `name` from the NCCL library this process loaded (the one ncclGetVersion lives in), or
+// null when that library lacks it.
+template <class Fn>
+Fn loadedNcclSymbol(const char* name) {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&ncclGetVersion), &info) == 0 || info.dli_fname == nullptr)
+    return nullptr;
+  void* lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  if (lib == nullptr) return nullptr;
+  void* sym = dlsym(lib, name);
+  dlclose(lib);  // RTLD_NOLOAD took a reference on the already-loaded library: give it back
+  return reinterpret_cast<Fn>(sym);
+}
 }  // namespace
 
 NcclFtApi NcclFtApi::real() {
@@ -31,17 +46,17 @@ NcclFtApi NcclFtApi::real() {
   };
   int version = 0;
   if (ncclGetVersion(&version) == ncclSuccess) api.version = version;
-    // The headers declare them; the library loaded at run time may be older.
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
-  if (api.version >= kShrinkVersion)
-    api.shrink = [](ncclComm_t c, int* ex, int n, ncclComm_t* out, ncclConfig_t* cfg, int flags) {
-      return ncclCommShrink(c, ex, n, out, cfg, flags);
+  // Looked up in the NCCL library actually loaded, not linked: the headers here may be newer
+  // than that library, and a release can report 2.28 without ncclCommRevoke (seen on the
+  // GPU machine: "undefined symbol: ncclCommRevoke" at the first revoke).
+  using ShrinkFn = ncclResult_t (*)(ncclComm_t, int*, int, ncclComm_t*, ncclConfig_t*, int);
+  using RevokeFn = ncclResult_t (*)(ncclComm_t, int);
+  if (auto* shrink = loadedNcclSymbol<ShrinkFn>("ncclCommShrink"); shrink && api.version >= kShrinkVersion)
+    api.shrink = [shrink](ncclComm_t c, int* ex, int n, ncclComm_t* out, ncclConfig_t* cfg, int flags) {
+      return shrink(c, ex, n, out, cfg, flags);
     };
-#endif
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
-  if (api.version >= kRevokeVersion)
-    api.revoke = [](ncclComm_t c, int flags) { return ncclCommRevoke(c, flags); };
-#endif
+  if (auto* revoke = loadedNcclSymbol<RevokeFn>("ncclCommRevoke"); revoke && api.version >= kRevokeVersion)
+    api.revoke = [revoke](ncclComm_t c, int flags) { return revoke(c, flags); };
   return api;
 }
 

@@ -27,7 +27,7 @@ pytestmark = [
     pytest.mark.skipif(not _cuda_moe_built(), reason="crossbar built without its CUDA MoE path"),
 ]
 
-HIDDEN, TOPK, EPR, MAX_TOKENS = 256, 4, 3, 48
+HIDDEN, TOPK, EPR, MAX_TOKENS = 256, 4, 5, 48  # EPR >= TOPK: one rank holds every expert
 # (dtype, payload): every payload format, both token types of the native path.
 CASES = [(torch.bfloat16, "native"), (torch.float32, "native"), (torch.bfloat16, "fp8"),
          (torch.bfloat16, "mxfp8"), (torch.float32, "nvfp4")]
