@@ -244,6 +244,10 @@ if want perf; then
   perf_run all_reduce_2r_symm all_reduce_perf --nranks 2 -b 8 -e 1M -f 4 -n 50 -w 10 -R 2
   perf_run all_gather_2r all_gather_perf --nranks 2 -b 1K -e 256M -f 8 -n 10 -w 3
   perf_run alltoall_2r alltoall_perf --nranks 2 -b 1K -e 256M -f 8 -n 10 -w 3
+  # Every perf binary once on CUDA memory at small sizes (flags, verification, exit code).
+  for b in broadcast reduce reduce_scatter gather scatter sendrecv hypercube; do
+    perf_run quick_${b}_2r ${b}_perf --nranks 2 -b 1K -e 16M -f 16 -n 5 -w 2
+  done
   # MoE dispatch/combine on CUDA memory, 2 ranks on the one GPU (its own table format).
   MOE=${PREBUILT:+$PREBUILT/bin/moe_dispatch_perf}
   lim=$(limit 30)
