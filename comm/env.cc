@@ -33,6 +33,7 @@ const std::vector<Variable>& all() {
       {"CROSSBAR_COPY_ENGINE_NT_THRESHOLD", Type::kSize, "1M", "Host copies of at least this many bytes use non-temporal (streaming) stores."},
       {"CROSSBAR_FT_DETECT_TIMEOUT", Type::kMillis, "5s", "Fault tolerance: a rank whose heartbeat stalls this long is reported hung (Timeout); also how long the store may be unreachable."},
       {"CROSSBAR_FT_HEARTBEAT", Type::kMillis, "100ms", "Fault tolerance: period of the failure detector (pid liveness, revoke checks); heartbeats go to the store every 2 periods."},
+      {"CROSSBAR_FT_TEST_EXIT_AT", Type::kString, "", "Test hook (fault tolerance): 'E:R:STEP' makes rank R of epoch E SIGKILL itself at the first step of that epoch's setup or rendezvous matching STEP: a wait's name (unix connect, unix accept, unix send, unix recv, ucx handshake) or part of a store key (rankinfo/, shm/nonce, ucx/addr, symmem/). Empty: off."},
       {"CROSSBAR_TELEMETRY", Type::kBool, "0", "Record step-aligned telemetry (per-op records, phases, memory) and write one JSON line per step."},
       {"CROSSBAR_TELEMETRY_DIR", Type::kString, "crossbar-telemetry", "Directory of the per-rank telemetry files (rank<r>.jsonl); crossbar-report reads it."},
       {"CROSSBAR_TELEMETRY_RING", Type::kInt, "8192", "Records per thread in the telemetry ring buffer (power of two); full rings drop records and count them."},

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "comm/errors.h"
+#include "comm/interrupt.h"
 #include "comm/log.h"
 #include "comm/store.h"
 
@@ -52,13 +53,14 @@ void UniqueFd::reset(int fd) {
   fd_ = fd;
 }
 
-int pollOne(int fd, short events, Deadline deadline) {
+int pollOne(int fd, short events, Deadline deadline, std::string_view step) {
   while (true) {
     pollfd p{fd, events, 0};
-    int r = ::poll(&p, 1, timeoutMs(deadline));
+    int r = ::poll(&p, 1, interruptSliceMs(timeoutMs(deadline)));
     if (r > 0) return p.revents;
     if (r < 0 && errno != EINTR) return POLLERR;
     if (deadline.expired()) return 0;
+    interruptionPoint(step);
   }
 }
 
@@ -89,12 +91,13 @@ UnixListener::UnixListener(const std::string& name, int rank) : name_(name), ran
 }
 
 UnixConn UnixListener::accept(Deadline deadline, const std::string& waiting_for) {
+  interruptionPoint("unix accept");
   while (true) {
     int fd = ::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd >= 0) return UnixConn(UniqueFd(fd), rank_);
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED)
       throwSystemError(rank_, fmt::format("accept on '@{}'", name_), errno);
-    if (pollOne(fd_.get(), POLLIN, deadline) == 0) {
+    if (pollOne(fd_.get(), POLLIN, deadline, "unix accept") == 0) {
       throw Timeout(
           fmt::format("{}{} did not connect before the deadline. Did every rank construct the "
                       "transport? Check those ranks' logs; raise CROSSBAR_CONNECT_TIMEOUT if slow",
@@ -108,13 +111,14 @@ UnixConn UnixConn::connect(const std::string& name, Deadline deadline, int rank,
   socklen_t len = abstractAddr(name, addr);
   auto backoff = std::chrono::microseconds(100);
   while (true) {
+    interruptionPoint("unix connect");
     UniqueFd fd(newSocket(rank, "creating a Unix socket"));
     if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), len) == 0)
       return UnixConn(std::move(fd), rank);
     int e = errno;
     if (e == EINPROGRESS || e == EAGAIN) {
       // Backlog full: wait until writable, then check the outcome.
-      if (pollOne(fd.get(), POLLOUT, deadline) & POLLOUT) {
+      if (pollOne(fd.get(), POLLOUT, deadline, "unix connect") & POLLOUT) {
         int err = 0;
         socklen_t l = sizeof(err);
         ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &l);
@@ -138,6 +142,7 @@ UnixConn UnixConn::connect(const std::string& name, Deadline deadline, int rank,
 }
 
 void UnixConn::send(const void* data, size_t bytes, const std::vector<int>& fds, Deadline deadline) {
+  interruptionPoint("unix send");
   if (fds.size() > kMaxFds || bytes > kMaxMessage)
     throw InternalError(
         fmt::format("UnixConn::send: {} fds / {} bytes exceed the limits", fds.size(), bytes));
@@ -165,13 +170,14 @@ void UnixConn::send(const void* data, size_t bytes, const std::vector<int>& fds,
                                     errorContext(rank_, "sending on a Unix socket")));
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
       throwSystemError(rank_, "sendmsg on a Unix socket", errno);
-    if (pollOne(fd_.get(), POLLOUT, deadline) == 0)
+    if (pollOne(fd_.get(), POLLOUT, deadline, "unix send") == 0)
       throw Timeout(fmt::format("{}the peer did not drain its socket before the deadline",
                                 errorContext(rank_, "sending on a Unix socket")));
   }
 }
 
 UnixMessage UnixConn::recv(Deadline deadline) {
+  interruptionPoint("unix recv");
   UnixMessage out;
   out.bytes.resize(kMaxMessage);
   while (true) {
@@ -205,7 +211,7 @@ UnixMessage UnixConn::recv(Deadline deadline) {
                                     errorContext(rank_, "receiving on a Unix socket")));
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
       throwSystemError(rank_, "recvmsg on a Unix socket", errno);
-    if (pollOne(fd_.get(), POLLIN, deadline) == 0)
+    if (pollOne(fd_.get(), POLLIN, deadline, "unix recv") == 0)
       throw Timeout(fmt::format("{}the peer sent nothing before the deadline",
                                 errorContext(rank_, "receiving on a Unix socket")));
   }

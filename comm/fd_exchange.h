@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "comm/deadline.h"
@@ -116,6 +117,7 @@ class UnixListener {
 };
 
 // Waits for `events` on `fd` until `deadline`; returns the revents (0 on timeout).
-int pollOne(int fd, short events, Deadline deadline);
+// Interruptible (comm/interrupt.h): calls interruptionPoint(step) between slices.
+int pollOne(int fd, short events, Deadline deadline, std::string_view step = "socket wait");
 
 }  // namespace crossbar

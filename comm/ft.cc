@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include "comm/context.h"
 #include "comm/env.h"
 #include "comm/file_store.h"
+#include "comm/interrupt.h"
 #include "comm/log.h"
 
 namespace crossbar::ft {
@@ -118,12 +120,18 @@ std::string processState(const Member& m) {
 
 }  // namespace
 
+bool goneOrExited(const std::string& state) {
+  return state.empty() || state == "Z" || state == "X";
+}
+
 // Liveness while a new epoch's communicator is built. Setup (rank records, shm and UCX
-// address exchange) waits for every member; one that died after the decision would
-// otherwise be waited for until CROSSBAR_CONNECT_TIMEOUT. This thread keeps this
-// rank's heartbeat (the key the epoch's detector continues) and checks the others:
-// a same-host process that is gone is dead at once; a member whose heartbeat did
-// not move for the detection bound since setup began is hung (or dead elsewhere).
+// address exchange and handshakes) waits for every member; one that died after the
+// decision would otherwise be waited for until CROSSBAR_CONNECT_TIMEOUT. This thread
+// keeps this rank's heartbeat (the key the epoch's detector continues) and checks the
+// others: a same-host process that is gone (or a zombie) is dead at once; a member
+// whose heartbeat did not move for the detection bound since setup began is hung (or
+// dead elsewhere); a revoke of the new epoch written by another member (its setup
+// failed, or its detector saw a death once its setup was done) is adopted.
 class SetupWatch {
  public:
   SetupWatch(std::shared_ptr<Store> epoch_store, std::vector<Member> members, int rank, Millis detect_timeout,
@@ -132,7 +140,9 @@ class SetupWatch {
         members_(std::move(members)),
         rank_(rank),
         detect_timeout_(detect_timeout),
-        heartbeat_interval_(heartbeat_interval) {
+        heartbeat_interval_(heartbeat_interval),
+        last_hb_(members_.size(), -1),
+        changed_(members_.size(), Clock::now()) {
     thread_ = std::thread([this] { run(); });
   }
   ~SetupWatch() { stop(); }
@@ -149,12 +159,40 @@ class SetupWatch {
     return faults_;
   }
   bool failed() const { return failed_.load(); }
-  // Adds the ranks of `named` whose process is gone (an error that named them came first).
-  void blameGone(const std::vector<int>& named) {
-    std::lock_guard<std::mutex> lock(mu_);
+
+  // The setup failed with an error naming `named` (empty: nobody). Waits, up to the
+  // detection bound plus a few periods, until it is clear whom to blame: whatever the
+  // watch finds meanwhile (a member gone or silent, or another member's revoke: a
+  // survivor whose own setup failed tears its half-built transports down, so the
+  // hang-up we saw may only be the consequence), else a named member whose process is
+  // gone. Named members still alive at the bound are unreachable if their heartbeat
+  // moves (the transport failed, not the process), hung if it does not.
+  std::vector<PeerFault> classify(const std::vector<int>& named) {
+    const auto start = Clock::now();
+    const Deadline deadline = Deadline::after(detect_timeout_ + 4 * heartbeat_interval_);
+    std::set<int> pending;
     for (int r : named)
-      if (r >= 0 && r < static_cast<int>(members_.size()) && r != rank_ && processState(members_[r]).empty())
-        addLocked(r, FailureKind::kDead, "process gone");
+      if (r >= 0 && r < static_cast<int>(members_.size()) && r != rank_) pending.insert(r);
+    while (!failed()) {
+      for (int r : pending)
+        if (goneOrExited(processState(members_[r]))) {
+          std::lock_guard<std::mutex> lock(mu_);
+          addLocked(r, FailureKind::kDead, "process gone (its connection failed during the setup)");
+        }
+      if (failed()) break;
+      if (deadline.expired()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (int r : pending) {
+          if (changed_[r] > start + heartbeat_interval_)
+            addLocked(r, FailureKind::kUnreachable, "its connection failed during the setup while its heartbeat continues");
+          else
+            addLocked(r, FailureKind::kHung, "its connection failed during the setup and no heartbeat since");
+        }
+        break;
+      }
+      std::this_thread::sleep_for(Millis(10));
+    }
+    return faults();
   }
 
  private:
@@ -166,42 +204,58 @@ class SetupWatch {
   }
   void run() {
     const int n = static_cast<int>(members_.size());
-    std::vector<int64_t> last(n, -1);
-    std::vector<Clock::time_point> changed(n, Clock::now());
     auto last_tick = Clock::now();
     std::unique_lock<std::mutex> lock(mu_);
     while (!stopping_) {
-      lock.unlock();
       const auto now = Clock::now();
       if (now - last_tick > detect_timeout_ / 2)  // this thread was starved: silence proves nothing
-        std::fill(changed.begin(), changed.end(), now);
+        std::fill(changed_.begin(), changed_.end(), now);
       last_tick = now;
-      std::vector<std::pair<int, std::string>> dead, hung;
+      lock.unlock();
+      std::vector<std::pair<int, std::string>> dead;
+      std::vector<std::pair<int, int64_t>> beats;
+      std::set<int> stopped;  // state T: noted when it is reported hung
+      std::vector<PeerFault> adopted;
       try {
+        if (store_->check({"revoked"})) {
+          std::istringstream in(toString(store_->get("revoked", Deadline::after(detect_timeout_))));
+          std::string why;
+          std::getline(in, why);
+          adopted = parseFaults(in);
+        }
         store_->add(fmt::format("hb/{}", rank_), 1);
         for (int r = 0; r < n; ++r) {
           if (r == rank_) continue;
           std::string state = processState(members_[r]);
-          if (state.empty() || state == "Z" || state == "X") {
+          if (goneOrExited(state)) {
             dead.emplace_back(r, state.empty() ? "process gone" : "process exited (zombie)");
             continue;
           }
-          int64_t v = store_->add(fmt::format("hb/{}", r), 0);
-          if (v != last[r]) {
-            last[r] = v;
-            changed[r] = now;
-          } else if (now - changed[r] > detect_timeout_) {
-            hung.emplace_back(r, fmt::format("no heartbeat for {} ms while the new epoch was set up{}",
-                                             std::chrono::duration_cast<Millis>(now - changed[r]).count(),
-                                             state == "T" || state == "t" ? ", process stopped (state T)" : ""));
-          }
+          beats.emplace_back(r, store_->add(fmt::format("hb/{}", r), 0));
+          if (state == "T" || state == "t") stopped.insert(r);
         }
       } catch (const std::exception& e) {
         CB_TRACE("ft", "setup watch: store call failed: {}", e.what());  // setup's own calls report it
       }
       lock.lock();
+      for (auto& f : adopted)
+        if (f.rank >= 0 && f.rank < n && f.rank != rank_ &&
+            std::none_of(faults_.begin(), faults_.end(), [&](const PeerFault& g) { return g.rank == f.rank; })) {
+          faults_.push_back(f);  // under its own reporter
+          failed_.store(true);
+        }
       for (auto& [r, why] : dead) addLocked(r, FailureKind::kDead, why + " after the decision");
-      for (auto& [r, why] : hung) addLocked(r, FailureKind::kHung, why);
+      for (auto& [r, v] : beats) {
+        if (v != last_hb_[r]) {
+          last_hb_[r] = v;
+          changed_[r] = now;
+        } else if (now - changed_[r] > detect_timeout_) {
+          addLocked(r, FailureKind::kHung,
+                    fmt::format("no heartbeat for {} ms while the new epoch was set up{}",
+                                std::chrono::duration_cast<Millis>(now - changed_[r]).count(),
+                                stopped.count(r) ? ", process stopped (state T)" : ""));
+        }
+      }
       cv_.wait_for(lock, heartbeat_interval_, [&] { return stopping_; });
     }
   }
@@ -215,25 +269,57 @@ class SetupWatch {
   bool stopping_ = false;
   std::atomic<bool> failed_{false};
   std::vector<PeerFault> faults_;
+  std::vector<int64_t> last_hb_;            // per member: heartbeat counter last read
+  std::vector<Clock::time_point> changed_;  // per member: when it last moved
   std::thread thread_;
 };
 
 namespace {
 
+// The test hook CROSSBAR_FT_TEST_EXIT_AT ("E:R:STEP"): the step at which this process,
+// as rank `rank` of epoch `epoch`, kills itself; empty when it names another one.
+std::string testExitStep(uint64_t epoch, int rank) {
+  const std::string spec = env::getString("CROSSBAR_FT_TEST_EXIT_AT");
+  if (spec.empty()) return {};
+  const auto a = spec.find(':'), b = a == std::string::npos ? a : spec.find(':', a + 1);
+  uint64_t e = 0;
+  int r = -1;
+  try {
+    if (b == std::string::npos || b + 1 >= spec.size()) throw std::invalid_argument(spec);
+    e = std::stoull(spec.substr(0, a));
+    r = std::stoi(spec.substr(a + 1, b - a - 1));
+  } catch (const std::logic_error&) {
+    throw InvalidArgument(fmt::format("{}CROSSBAR_FT_TEST_EXIT_AT='{}' is not EPOCH:RANK:STEP",
+                                      errorContext(rank, "ft setup"), spec));
+  }
+  return e == epoch && r == rank ? spec.substr(b + 1) : std::string();
+}
+
 // The store a new epoch's communicator is built over: its blocking calls run in 100 ms
 // slices and end with PeerFailure / Timeout as soon as the SetupWatch found a member
-// failed. The communicator keeps the store after setup; the watch is dropped then,
-// and the calls go straight through.
+// failed; checkpoint() does the same for the setup's other waits (comm/interrupt.h).
+// The communicator keeps the store after setup; the watch is dropped then, and the
+// calls go straight through.
 class WatchedStore final : public Store {
  public:
-  WatchedStore(std::shared_ptr<Store> inner, int rank) : inner_(std::move(inner)), rank_(rank) {}
+  WatchedStore(std::shared_ptr<Store> inner, int rank, std::string exit_step)
+      : inner_(std::move(inner)), rank_(rank), exit_step_(std::move(exit_step)) {}
   void watch(std::shared_ptr<SetupWatch> w, std::string what) {
     std::lock_guard<std::mutex> lock(mu_);
     watch_ = std::move(w);
     what_ = std::move(what);
   }
-  void set(const std::string& key, const Bytes& value) override { inner_->set(key, value); }
+  // An interruption point of the setup: a wait's name or a store key.
+  void checkpoint(std::string_view step) {
+    maybeExit(step);
+    throwIfFailed(step);
+  }
+  void set(const std::string& key, const Bytes& value) override {
+    maybeExit(key);
+    inner_->set(key, value);
+  }
   Bytes get(const std::string& key, Deadline deadline) override {
+    maybeExit(key);
     while (true) {
       throwIfFailed(key);
       try {
@@ -243,12 +329,17 @@ class WatchedStore final : public Store {
       }
     }
   }
-  int64_t add(const std::string& key, int64_t delta) override { return inner_->add(key, delta); }
+  int64_t add(const std::string& key, int64_t delta) override {
+    maybeExit(key);
+    return inner_->add(key, delta);
+  }
   Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) override {
+    maybeExit(key);
     return inner_->compareSet(key, expected, desired);
   }
   bool check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
   void wait(const std::vector<std::string>& keys, Deadline deadline) override {
+    for (const auto& k : keys) maybeExit(k);
     while (true) {
       throwIfFailed(keys.empty() ? std::string() : keys.front());
       try {
@@ -264,11 +355,16 @@ class WatchedStore final : public Store {
 
  private:
   static constexpr Millis kSlice{100};
+  void maybeExit(std::string_view step) const {
+    if (exit_step_.empty() || step.find(exit_step_) == std::string_view::npos) return;
+    CB_WARN("ft", "CROSSBAR_FT_TEST_EXIT_AT: rank {} kills itself at '{}'", rank_, step);
+    ::kill(::getpid(), SIGKILL);
+  }
   bool watching() {
     std::lock_guard<std::mutex> lock(mu_);
     return watch_ != nullptr;
   }
-  void throwIfFailed(const std::string& key) {
+  void throwIfFailed(std::string_view key) {
     std::shared_ptr<SetupWatch> w;
     std::string what;
     {
@@ -280,11 +376,12 @@ class WatchedStore final : public Store {
     auto faults = w->faults();
     std::rethrow_exception(faultError(
         faults, fmt::format("{}{} while waiting for '{}' in the setup of {}", errorContext(rank_, "ft setup"),
-                            describeAll(faults), printableKey(key), what)));
+                            describeAll(faults), printableKey(std::string(key)), what)));
   }
 
   std::shared_ptr<Store> inner_;
   int rank_;
+  const std::string exit_step_;  // CROSSBAR_FT_TEST_EXIT_AT for this rank and epoch, usually empty
   std::mutex mu_;
   std::shared_ptr<SetupWatch> watch_;
   std::string what_;
@@ -894,7 +991,7 @@ void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int m
   rank_ = my_rank;
   setup_faults_.clear();
   auto ctx_store = std::make_shared<WatchedStore>(
-      std::make_shared<PrefixStore>(epochPrefix(epoch) + "/ctx", store_), my_rank);
+      std::make_shared<PrefixStore>(epochPrefix(epoch) + "/ctx", store_), my_rank, testExitStep(epoch, my_rank));
   // Started by applyDecision before the old epoch is torn down (that can take seconds:
   // bounded UCX endpoint closes), so this rank's heartbeat never pauses meanwhile.
   auto watch = std::move(setup_watch_);
@@ -903,15 +1000,24 @@ void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int m
                                          heartbeat_interval_);
   ctx_store->watch(watch, fmt::format("epoch {} of '{}'", epoch, options_.name));
   try {
+    // Socket connect/accept and the UCX handshake wait for every member too: they
+    // end within kInterruptSlice once the watch found one failed.
+    ScopedInterruptCheck interrupt([&](std::string_view step) { ctx_store->checkpoint(step); });
     comm_ = Communicator::create(ctx_store, my_rank, static_cast<int>(members.size()), co);
   } catch (const Error& e) {
-    // A member failed after the decision (or during setup): name it, tell the others
-    // (the revoke key of the new epoch) and let the caller shrink again.
-    watch->blameGone(e.peers());
-    watch->stop();
+    // A member failed after the decision (or during setup): find out who, tell the
+    // others (the revoke key of the new epoch ends their setups, and members whose
+    // setup finished learn it from their detector) and let the caller shrink again.
+    // The watch, with this rank's heartbeat, runs until the revoke is out. Errors of
+    // the caller's own making (bad arguments, usage, crossbar bugs) blame nobody.
     ctx_store->watch(nullptr, {});
-    setup_faults_ = watch->faults();
-    if (setup_faults_.empty()) throw;
+    const bool ours = e.code() == ErrorCode::kInvalidArgument || e.code() == ErrorCode::kInvalidUsage ||
+                      e.code() == ErrorCode::kInternal || e.code() == ErrorCode::kUnsupported;
+    setup_faults_ = ours ? std::vector<PeerFault>() : watch->classify(e.peers());
+    if (setup_faults_.empty()) {
+      watch->stop();
+      throw;
+    }
     const std::string why = fmt::format("setup failed at rank {}", my_rank);
     try {
       auto es = epochStore(epoch, true);
@@ -925,6 +1031,7 @@ void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int m
     } catch (const std::exception& store_error) {
       CB_WARN("ft", "could not publish the failed setup of epoch {}: {}", epoch, store_error.what());
     }
+    watch->stop();
     std::string message = fmt::format(
         "{}building epoch {} of '{}' failed: {}. Call handleError() and shrink() again to continue without "
         "them (cause: {})",

@@ -11,6 +11,7 @@
 
 #include "comm/env.h"
 #include "comm/errors.h"
+#include "comm/interrupt.h"
 #include "comm/log.h"
 #include "comm/store.h"
 
@@ -361,6 +362,7 @@ void UcxContext::handshake(Deadline deadline) {
         if (!ops[2 * i].done || !ops[2 * i + 1].done) pending.push_back(p);
       }
       if (pending.empty()) break;
+      interruptionPoint("ucx handshake");  // comm/interrupt.h: e.g. a member of a new FT epoch died
       if (progress()) continue;
       if (deadline.expired()) {
         std::vector<std::string> hosts;

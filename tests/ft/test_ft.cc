@@ -51,21 +51,74 @@ void expectOutcome(const std::vector<RankResult>& results, const std::vector<int
   }
 }
 
+// shrink() and four verified collectives on the new epoch. `setup_victim` (a rank of
+// the next epoch, -1: none) is meant to die while that epoch is built or in its first
+// collectives (CROSSBAR_FT_TEST_EXIT_AT): that attempt must fail with PeerFailure
+// within the detection bound (not at CROSSBAR_CONNECT_TIMEOUT), handleError() must
+// blame exactly that rank as dead, and a second shrink must then compute correctly.
+// Leaves `coll` null after a fatal failure.
+void shrinkAndCompute(FaultTolerantComm& ft, std::unique_ptr<Collectives>& coll, uint32_t seed,
+                      int setup_victim = -1) {
+  const uint64_t epoch0 = ft.epoch();
+  for (int attempt = 0;; ++attempt) {
+    const int64_t t0 = monoNs();
+    try {
+      ft.shrink();
+      coll = std::make_unique<Collectives>(ft.comm());
+      for (int it = 0; it < 4; ++it) step(*coll, it, seed);
+      break;
+    } catch (const Error& e) {
+      coll.reset();
+      ASSERT_TRUE(setup_victim >= 0 && attempt == 0) << "unexpected failure (attempt " << attempt << "): " << e.what();
+      EXPECT_EQ(ft.epoch(), epoch0 + 1) << e.what();
+      EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kAborted) << e.what();
+      EXPECT_LT(monoNs() - t0, (kDetect + kSlack).count() * 1'000'000LL)
+          << "waited too long for the member that died while epoch " << epoch0 + 1 << " was built: " << e.what();
+      auto faults = ft.handleError(e);
+      ASSERT_EQ(faults.size(), 1u) << e.what();
+      EXPECT_EQ(faults[0].rank, setup_victim) << faults[0].describe();
+      EXPECT_EQ(faults[0].kind, FailureKind::kDead) << faults[0].describe();
+    }
+  }
+  EXPECT_EQ(ft.epoch(), epoch0 + (setup_victim >= 0 ? 2 : 1));
+}
+
 // A random rank is SIGKILLed a random time into a random iteration of an
 // allreduce/alltoall loop; survivors must see PeerFailure naming it within the
 // bound, shrink, compute correctly, and have released the dead rank's memory.
 // ranks_per_node > 0 splits the ranks into virtual nodes, so peers on other nodes
-// are reached (and lost) over UCX.
+// are reached (and lost) over UCX. In about a third of the trials a second rank dies
+// in the middle of building the shrunk communicator, at a random named setup step
+// (CROSSBAR_FT_TEST_EXIT_AT); the others then shrink again (shrinkAndCompute).
 void killTrial(int n, uint32_t seed, int ranks_per_node = 0, const std::string& algo = {}) {
   std::mt19937 rng(seed);
   const int victim = static_cast<int>(rng() % n);
   const int kill_iter = 2 + static_cast<int>(rng() % 6);
   const int delay_us = static_cast<int>(rng() % 3000);
-  SCOPED_TRACE(fmt::format("{} ranks ({} per node), seed {}: rank {} dies in iteration {} after {} us", n,
-                           ranks_per_node, seed, victim, kill_iter, delay_us));
+  // The second death: a rank of epoch 1 (n - 1 ranks) at a step it reaches.
+  int setup_victim = -1;
+  std::string setup_step;
+  if (rng() % 3 == 0) {
+    const int m = n - 1, rpn = ranks_per_node > 0 ? ranks_per_node : m;
+    setup_victim = static_cast<int>(rng() % m);
+    std::vector<std::string> steps = {"rankinfo/"};
+    const bool lower = setup_victim % rpn > 0, higher = setup_victim % rpn < rpn - 1 && setup_victim + 1 < m;
+    if (lower || higher) steps.push_back("shm/nonce");
+    if (lower) steps.push_back("unix connect");
+    if (higher) steps.push_back("unix accept");
+    if (rpn < m) steps.insert(steps.end(), {"ucx/addr", "ucx handshake"});
+    setup_step = steps[rng() % steps.size()];
+  }
+  const int setup_victim_old = setup_victim < 0 ? -1 : setup_victim < victim ? setup_victim : setup_victim + 1;
+  SCOPED_TRACE(fmt::format("{} ranks ({} per node), seed {}: rank {} dies in iteration {} after {} us{}", n,
+                           ranks_per_node, seed, victim, kill_iter, delay_us,
+                           setup_victim < 0 ? std::string()
+                                            : fmt::format(", then rank {} of epoch 1 (old {}) at setup step '{}'",
+                                                          setup_victim, setup_victim_old, setup_step)));
   auto options = ftRun();
   if (ranks_per_node > 0) options.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(ranks_per_node);
   if (!algo.empty()) options.env["CROSSBAR_ALGO"] = algo;
+  if (setup_victim >= 0) options.env["CROSSBAR_FT_TEST_EXIT_AT"] = fmt::format("1:{}:{}", setup_victim, setup_step);
   auto results = runRanks(
       n,
       [&](RankEnv& env) {
@@ -105,13 +158,12 @@ void killTrial(int n, uint32_t seed, int ranks_per_node = 0, const std::string& 
           EXPECT_NE(faults[0].describe().find(fmt::format("rank {} (host", victim)), std::string::npos);
         }
         coll.reset();
-        ft->shrink();
-        EXPECT_EQ(ft->size(), n - 1);
-        EXPECT_EQ(ft->epoch(), 1u);
-        EXPECT_EQ(ft->rank(), env.rank < victim ? env.rank : env.rank - 1);
-        coll = std::make_unique<Collectives>(ft->comm());
-        for (int it = 0; it < 4; ++it) step(*coll, it, seed + 1);
-        // The dead peer's segments and sockets are gone with the old epoch's context.
+        shrinkAndCompute(*ft, coll, seed + 1, setup_victim);
+        if (!coll) return;
+        const int rank1 = env.rank < victim ? env.rank : env.rank - 1;  // in epoch 1
+        EXPECT_EQ(ft->size(), setup_victim < 0 ? n - 1 : n - 2);
+        EXPECT_EQ(ft->rank(), setup_victim < 0 || rank1 < setup_victim ? rank1 : rank1 - 1);
+        // The dead peers' segments and sockets are gone with the old epoch's context.
         // (Virtual nodes are consecutive ranks, so renumbering can move ranks between them.)
         if (ft->comm()->localSize() < local0) {
           EXPECT_LT(countShmMaps(), maps0);
@@ -124,7 +176,10 @@ void killTrial(int n, uint32_t seed, int ranks_per_node = 0, const std::string& 
         ft->comm()->barrier();
       },
       options, /*expect_ok=*/false);
-  expectOutcome(results, {victim});
+  if (setup_victim < 0)
+    expectOutcome(results, {victim});
+  else
+    expectOutcome(results, {victim, setup_victim_old});
 }
 
 TEST(FtKill, RandomRankDuringCollectives4) {
@@ -222,6 +277,61 @@ void survivorDiesAfterDecision(int ranks_per_node) {
 TEST(FtShrink, SurvivorDiesAfterDecision) {
   survivorDiesAfterDecision(0);
   survivorDiesAfterDecision(2);
+}
+
+// A member dies in the middle of building the shrunk communicator, after the
+// agreement: rank 3 is killed first; rank 1 of epoch 1 (old rank 1) SIGKILLs itself at
+// `exit_step` of epoch 1's setup (CROSSBAR_FT_TEST_EXIT_AT). The others are then blocked in
+// that setup -- accept() or connect() of the shm handshake, the UCX handshake, a store
+// wait -- or, where their part of it finished, in the first collective's symmetric-heap
+// rendezvous. With CROSSBAR_CONNECT_TIMEOUT=60s they must fail within the detection
+// bound, blame exactly that rank, shrink again to ranks 0 and 2, compute correctly, and
+// hold no more descriptors and shared-memory mappings than with four ranks.
+void memberDiesDuringSetup(const std::string& exit_step, int ranks_per_node) {
+  SCOPED_TRACE(fmt::format("step '{}', {} ranks per node", exit_step, ranks_per_node));
+  const int n = 4, first = 3, second = 1;
+  auto options = ftRun();
+  options.env["CROSSBAR_CONNECT_TIMEOUT"] = "60s";
+  options.env["CROSSBAR_FT_TEST_EXIT_AT"] = fmt::format("1:{}:{}", second, exit_step);
+  if (ranks_per_node > 0) options.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(ranks_per_node);
+  auto results = runRanks(
+      n,
+      [&](RankEnv& env) {
+        auto ft = FaultTolerantComm::create(env.store, env.rank, n, ftOptions(env));
+        auto coll = std::make_unique<Collectives>(ft->comm());
+        for (int it = 0; it < 4; ++it) step(*coll, it, 31);
+        const int maps0 = countShmMaps(), fds0 = countFds();
+        try {
+          for (int it = 0; it < 2000; ++it) {
+            if (env.rank == first && it == 2) ::kill(::getpid(), SIGKILL);
+            step(*coll, it, 32);
+          }
+          ADD_FAILURE() << "no failure after 2000 iterations";
+          return;
+        } catch (const Error& e) {
+          auto faults = ft->handleError(e);
+          ASSERT_EQ(faults.size(), 1u) << e.what();
+          EXPECT_EQ(faults[0].rank, first);
+        }
+        coll.reset();
+        shrinkAndCompute(*ft, coll, 33, second);
+        if (!coll) return;
+        EXPECT_EQ(ft->size(), 2);
+        EXPECT_EQ(ft->rank(), env.rank == 0 ? 0 : 1);
+        EXPECT_LE(countShmMaps(), maps0);
+        EXPECT_LE(countFds(), fds0);
+        coll.reset();
+        ft->comm()->barrier();
+      },
+      options, /*expect_ok=*/false);
+  expectOutcome(results, {first, second});
+}
+
+TEST(FtShrink, MemberDiesDuringSetupOfShrunkEpoch) {
+  memberDiesDuringSetup("shm/nonce", 0);       // before its listener: 0 waits in accept, 2 in connect
+  memberDiesDuringSetup("unix accept", 0);     // connected to 0, never accepts 2
+  memberDiesDuringSetup("ucx handshake", 2);   // {0,1} | {2}: 2 waits in the UCX handshake
+  memberDiesDuringSetup("symmem/", 0);         // setup done; dies in the first heap rendezvous
 }
 
 // The hang test runs the default (symmetric-memory) algorithms: their signal waits
