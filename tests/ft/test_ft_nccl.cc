@@ -280,6 +280,39 @@ TEST(NcclFt, ShrinkFailureAnywhereFallsBackEverywhere) {
   expectOutcome(results, victim);
 }
 
+// An NCCL without ncclCommRevoke / ncclCommShrink (the GPU machine's library reported 2.28
+// and lacked ncclCommRevoke): detection aborts the NCCL communicator and the shrink
+// re-creates it over the survivors.
+TEST(NcclFt, WithoutRevokeAndShrinkAbortsAndRecreates) {
+  const int n = 3, victim = 1;
+  auto results = runRanks(
+      n,
+      [&](RankEnv& env) {
+        FakeNccl fake;
+        NcclFtApi api = fake.api();
+        api.revoke = nullptr;
+        api.shrink = nullptr;
+        auto ft = FaultTolerantComm::create(env.store, env.rank, n, ftOptions(env));
+        auto nccl = NcclFtComm::create(*ft, fakeOptions(), api);
+        ncclComm_t parent = nccl->get();
+        auto coll = warmUp(*ft, 23);
+        if (env.rank == victim) ::kill(::getpid(), SIGKILL);
+        untilFailure(*ft, std::move(coll), 23);
+        EXPECT_TRUE(nccl->revoked());
+        EXPECT_EQ(fake.revokes, 0);
+        EXPECT_TRUE(FakeNccl::of(parent)->aborted) << "no revoke: the communicator is aborted at once";
+        ft->shrink();
+        EXPECT_EQ(nccl->lastRebuild().rfind("reinit:", 0), 0u) << nccl->lastRebuild();
+        EXPECT_EQ(fake.shrinks, 0);
+        EXPECT_EQ(fake.inits, 2);
+        EXPECT_EQ(nccl->size(), n - 1);
+        expectSameId(env, *ft, fake, "no-shrink");
+        ft->comm()->barrier();
+      },
+      ncclRun(), /*expect_ok=*/false);
+  expectOutcome(results, victim);
+}
+
 // An asynchronous NCCL error (polled by the watchdog) fails the epoch's crossbar
 // operations with NcclError; handleError revokes for everyone and both ranks shrink
 // (nobody is blamed: an NCCL error names no rank).
