@@ -13,14 +13,22 @@
 # The directory must stay small enough to carry (default limit 60 MiB; fails above it).
 #
 # usage: perf/gpu/prepare_prebuilt.sh [--build-dir DIR] [--out DIR] [--max-mib N] [--no-build]
+#                                     [--clean-tree DIR]
 #   --build-dir DIR  CMake build tree (default build-gpu-build; configured with CUDA ON if new)
 #   --out DIR        default build-gpu-prebuilt
 #   --no-build       only collect what DIR already holds
+#   --clean-tree DIR export the committed HEAD (git archive) into DIR (inside the checkout, and
+#                    ignored, e.g. gpu-tree listed in .git/info/exclude), build it there, and put
+#                    the prebuilt in DIR/build-gpu-prebuilt: uncommitted edits in the checkout stay
+#                    out of the GPU run. Then carry DIR and run from it:
+#                      run(command="cd gpu-tree && perf/gpu_check.sh --prebuilt build-gpu-prebuilt",
+#                          carry=["gpu-tree"])
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-BUILD=$ROOT/build-gpu-build OUT=$ROOT/build-gpu-prebuilt MAX_MIB=60 DO_BUILD=1
+BUILD=$ROOT/build-gpu-build OUT=$ROOT/build-gpu-prebuilt MAX_MIB=60 DO_BUILD=1 CLEAN_TREE=""
 while [ $# -gt 0 ]; do
   case "$1" in
+    --clean-tree) CLEAN_TREE=$2; shift ;;
     --build-dir) BUILD=$2; shift ;;
     --out) OUT=$2; shift ;;
     --max-mib) MAX_MIB=$2; shift ;;
@@ -29,6 +37,19 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+if [ -n "$CLEAN_TREE" ]; then
+  case "$CLEAN_TREE" in /*) ;; *) CLEAN_TREE=$ROOT/$CLEAN_TREE ;; esac
+  rm -rf "$CLEAN_TREE"
+  mkdir -p "$CLEAN_TREE"
+  git -C "$ROOT" archive HEAD | tar -x -C "$CLEAN_TREE"
+  echo "exported $(git -C "$ROOT" rev-parse --short HEAD) into $CLEAN_TREE"
+  # The build tree stays outside the exported one (it is not carried).
+  args=(--out "$CLEAN_TREE/build-gpu-prebuilt" --max-mib "$MAX_MIB")
+  [ "$BUILD" = "$ROOT/build-gpu-build" ] && BUILD=$ROOT/build-gpu-clean
+  case "$BUILD" in /*) ;; *) BUILD=$ROOT/$BUILD ;; esac
+  [ $DO_BUILD = 1 ] || args+=(--no-build)
+  exec "$CLEAN_TREE/perf/gpu/prepare_prebuilt.sh" --build-dir "$BUILD" "${args[@]}"
+fi
 case "$BUILD" in /*) ;; *) BUILD=$ROOT/$BUILD ;; esac
 case "$OUT" in /*) ;; *) OUT=$ROOT/$OUT ;; esac
 
@@ -75,7 +96,11 @@ cuda_collectives=0
 grep -q 'CROSSBAR_HAVE_CUDA_COLLECTIVES' "$BUILD/build.ninja" && cuda_collectives=1
 {
   echo "commit=$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
-  echo "dirty=$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null | wc -l)"
+  if [ "$(git -C "$ROOT" rev-parse --show-toplevel 2>/dev/null)" = "$ROOT" ]; then
+    echo "dirty=$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null | wc -l)"
+  else
+    echo "dirty=0 (exported with --clean-tree)"
+  fi
   echo "date=$(date -u +%FT%TZ)"
   echo "build_dir=$BUILD"
   echo "cuda_collectives=$cuda_collectives"
