@@ -276,9 +276,13 @@ class SetupWatch {
 
 namespace {
 
-// The test hook CROSSBAR_FT_TEST_EXIT_AT ("E:R:STEP"): the step at which this process,
-// as rank `rank` of epoch `epoch`, kills itself; empty when it names another one.
-std::string testExitStep(uint64_t epoch, int rank) {
+// The test hook CROSSBAR_FT_TEST_EXIT_AT ("E:R:STEP" or "E:R:STEP:stop"): the step at
+// which this process, as rank `rank` of epoch `epoch`, kills (or stops) itself.
+struct TestExit {
+  std::string step;  // empty: the hook names another rank or epoch, or is off
+  bool stop = false;  // SIGSTOP (hung) instead of SIGKILL (dead)
+};
+TestExit testExit(uint64_t epoch, int rank) {
   const std::string spec = env::getString("CROSSBAR_FT_TEST_EXIT_AT");
   if (spec.empty()) return {};
   const auto a = spec.find(':'), b = a == std::string::npos ? a : spec.find(':', a + 1);
@@ -289,10 +293,16 @@ std::string testExitStep(uint64_t epoch, int rank) {
     e = std::stoull(spec.substr(0, a));
     r = std::stoi(spec.substr(a + 1, b - a - 1));
   } catch (const std::logic_error&) {
-    throw InvalidArgument(fmt::format("{}CROSSBAR_FT_TEST_EXIT_AT='{}' is not EPOCH:RANK:STEP",
+    throw InvalidArgument(fmt::format("{}CROSSBAR_FT_TEST_EXIT_AT='{}' is not EPOCH:RANK:STEP[:stop]",
                                       errorContext(rank, "ft setup"), spec));
   }
-  return e == epoch && r == rank ? spec.substr(b + 1) : std::string();
+  if (e != epoch || r != rank) return {};
+  TestExit out{spec.substr(b + 1)};
+  if (out.step.size() > 5 && out.step.ends_with(":stop")) {
+    out.step.resize(out.step.size() - 5);
+    out.stop = true;
+  }
+  return out;
 }
 
 // The store a new epoch's communicator is built over: its blocking calls run in 100 ms
@@ -302,8 +312,8 @@ std::string testExitStep(uint64_t epoch, int rank) {
 // calls go straight through.
 class WatchedStore final : public Store {
  public:
-  WatchedStore(std::shared_ptr<Store> inner, int rank, std::string exit_step)
-      : inner_(std::move(inner)), rank_(rank), exit_step_(std::move(exit_step)) {}
+  WatchedStore(std::shared_ptr<Store> inner, int rank, TestExit test_exit)
+      : inner_(std::move(inner)), rank_(rank), test_exit_(std::move(test_exit)) {}
   void watch(std::shared_ptr<SetupWatch> w, std::string what) {
     std::lock_guard<std::mutex> lock(mu_);
     watch_ = std::move(w);
@@ -356,9 +366,10 @@ class WatchedStore final : public Store {
  private:
   static constexpr Millis kSlice{100};
   void maybeExit(std::string_view step) const {
-    if (exit_step_.empty() || step.find(exit_step_) == std::string_view::npos) return;
-    CB_WARN("ft", "CROSSBAR_FT_TEST_EXIT_AT: rank {} kills itself at '{}'", rank_, step);
-    ::kill(::getpid(), SIGKILL);
+    if (test_exit_.step.empty() || step.find(test_exit_.step) == std::string_view::npos) return;
+    CB_WARN("ft", "CROSSBAR_FT_TEST_EXIT_AT: rank {} {} itself at '{}'", rank_, test_exit_.stop ? "stops" : "kills",
+            step);
+    ::kill(::getpid(), test_exit_.stop ? SIGSTOP : SIGKILL);
   }
   bool watching() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -381,7 +392,7 @@ class WatchedStore final : public Store {
 
   std::shared_ptr<Store> inner_;
   int rank_;
-  const std::string exit_step_;  // CROSSBAR_FT_TEST_EXIT_AT for this rank and epoch, usually empty
+  const TestExit test_exit_;  // CROSSBAR_FT_TEST_EXIT_AT for this rank and epoch, usually off
   std::mutex mu_;
   std::shared_ptr<SetupWatch> watch_;
   std::string what_;
@@ -448,7 +459,8 @@ FailureDetector::FailureDetector(std::shared_ptr<Store> epoch_store, std::shared
   // Peers on other nodes are reached over the network, which can fail on its own.
   for (int r = 0; data_path_probes && r < static_cast<int>(members_.size()); ++r)
     if (r != rank_ && std::string_view(comm_->context().transportName(comm_->worldRank(r))) == "ucx")
-      probes_.push_back(Probe{r, nullptr, {}, now, false});
+      probes_.push_back(Probe{r, nullptr, {}, now, false, false});
+  for (auto& p : probes_) p.ready = peerReady(p.rank);  // usually all: members finish setup together
   thread_ = std::thread([this] { run(); });
 }
 
@@ -500,6 +512,14 @@ bool FailureDetector::processGone(int rank, char* state) const {
   if (close == std::string::npos || close + 2 >= text.size()) return false;
   *state = text[close + 2];
   return *state == 'Z' || *state == 'X';  // a zombie is dead, only not yet reaped
+}
+
+bool FailureDetector::peerReady(int rank) {
+  try {
+    return store_->check({fmt::format("ready/{}", rank)});
+  } catch (const std::exception&) {
+    return false;  // tick() reports a store that stays unreachable
+  }
 }
 
 bool FailureDetector::leftCleanly(int rank) {
@@ -598,6 +618,7 @@ void FailureDetector::probe(bool send, const std::set<int>& known, std::vector<P
         if (!p.recv) p.recv = comm_->irecv(nullptr, 0, p.rank, kProbeTag);
         if (!p.recv->test()) break;
         p.last_seen = now;
+        p.ready = true;
         p.recv.reset();
       }
       if (send && !p.broken) {
@@ -614,6 +635,11 @@ void FailureDetector::probe(bool send, const std::set<int>& known, std::vector<P
       if (!p.broken)
         CB_INFO("ft", "epoch {}: data-path probe to rank {} failed: {}", epoch_, p.rank, e.what());
       p.broken = true;  // silent from now on; the check below decides what it means
+      p.ready = true;   // the transport itself failed: that counts whatever the peer's setup
+    }
+    if (!p.ready && peerReady(p.rank)) {
+      p.ready = true;
+      p.last_seen = now;  // its silence counts from here
     }
     // Silent on the data path, yet its store heartbeat is fresh: the process runs but
     // the network between us does not carry its messages.
@@ -622,7 +648,7 @@ void FailureDetector::probe(bool send, const std::set<int>& known, std::vector<P
       std::lock_guard<std::mutex> lock(mu_);
       heartbeat = last_change_[p.rank];
     }
-    if (now - p.last_seen > detect_timeout_ && now - heartbeat < detect_timeout_ / 2 &&
+    if (p.ready && now - p.last_seen > detect_timeout_ && now - heartbeat < detect_timeout_ / 2 &&
         !leftCleanly(p.rank)) {
       found.push_back(
           PeerFault{p.rank, FailureKind::kUnreachable, members_[p.rank].host, members_[p.rank].pid, rank_,
@@ -647,7 +673,8 @@ void FailureDetector::probe(bool send, const std::set<int>& known, std::vector<P
       std::lock_guard<std::mutex> lock(mu_);
       heartbeat = last_change_[p.rank];
     }
-    if (now - p.last_seen > detect_timeout_ / 2 && now - heartbeat < detect_timeout_ / 2 && !leftCleanly(p.rank))
+    if (p.ready && now - p.last_seen > detect_timeout_ / 2 && now - heartbeat < detect_timeout_ / 2 &&
+        !leftCleanly(p.rank))
       found.push_back(
           PeerFault{p.rank, FailureKind::kUnreachable, members_[p.rank].host, members_[p.rank].pid, rank_,
                     fmt::format("no data-path probe over {} for {} ms while its store heartbeat continues, and "
@@ -991,7 +1018,7 @@ void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int m
   rank_ = my_rank;
   setup_faults_.clear();
   auto ctx_store = std::make_shared<WatchedStore>(
-      std::make_shared<PrefixStore>(epochPrefix(epoch) + "/ctx", store_), my_rank, testExitStep(epoch, my_rank));
+      std::make_shared<PrefixStore>(epochPrefix(epoch) + "/ctx", store_), my_rank, testExit(epoch, my_rank));
   // Started by applyDecision before the old epoch is torn down (that can take seconds:
   // bounded UCX endpoint closes), so this rank's heartbeat never pauses meanwhile.
   auto watch = std::move(setup_watch_);
@@ -1041,6 +1068,12 @@ void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int m
   }
   watch->stop();
   ctx_store->watch(nullptr, {});
+  // Peers' detectors count this rank's data-path silence from here (FailureDetector::Probe).
+  try {
+    epochStore(epoch, true)->set(fmt::format("ready/{}", my_rank), "1");
+  } catch (const std::exception& e) {
+    CB_WARN("ft", "could not announce epoch {} as built: {}", epoch, e.what());  // the detector reports the store
+  }
   detector_ =
       std::make_unique<FailureDetector>(epochStore(epoch, true), comm_, std::move(members), detect_timeout_,
                                         heartbeat_interval_, callbacks_, options_.data_path_probes);

@@ -151,6 +151,7 @@ class FailureDetector {
   std::exception_ptr errorFor(const std::vector<PeerFault>& faults, const std::string& message) const;
   bool processGone(int rank, char* state) const;
   bool leftCleanly(int rank);  // the rank closed its FaultTolerantComm (not a failure)
+  bool peerReady(int rank);    // the rank's communicator of this epoch exists ("ready/<rank>")
   // Data-path probes to peers on other nodes; returns their faults (cut links).
   void probe(bool send, const std::set<int>& known, std::vector<PeerFault>& found);
 
@@ -181,6 +182,10 @@ class FailureDetector {
     std::vector<RequestPtr> sends;  // bounded: a cut link must not pile them up
     Clock::time_point last_seen;
     bool broken = false;  // the transport failed the probe: it stays silent from now
+    // The peer's communicator exists (its "ready/<rank>" key, or a probe from it). Until
+    // then it may still be building the epoch, blocked on another member: its silence
+    // on the data path is not held against it (its heartbeat and setup watch cover it).
+    bool ready = false;
   };
   std::vector<Probe> probes_;
   std::thread thread_;
