@@ -15,6 +15,16 @@
 // of hierarchical sub-communicators, a collective split) happens in the issuing
 // thread, so those run in issue order too.
 //
+// Eager calls (eager.h) are also tried by the issuing thread itself, right after they
+// are queued, when nothing executes (progressEager): EagerChannel::tryRun publishes the
+// call and finishes it if the peers' headers arrive within a short spin. It never
+// sleeps, so a nonblocking call stays nonblocking (a late peer leaves the call queued,
+// published). In step with its peers a small call thus finishes inside the call that
+// issued it, without the worker or a wake-up. A published call that is the only one
+// pending needs nothing more from this rank for its peers to finish it, so the worker
+// is left asleep; this rank's next call, test() or wait() finishes it. Anything else
+// left queued is the worker's, as before.
+//
 // A failed operation leaves its peers' traffic in an unknown state, so the error is
 // sticky: every later operation of this Collectives fails at once with the same error
 // type, naming the first failure, instead of each waiting out its deadline.
@@ -95,38 +105,142 @@ std::exception_ptr withPrefix(const std::exception_ptr& e, const std::string& pr
   }
 }
 
+// One planned operation: validated, its algorithm selected and numbered by the issuing
+// thread (so every rank agrees), executed later by whichever thread runs it.
+struct Planned {
+  CollArgs args;
+  const Algorithm* algo = nullptr;
+  uint32_t tag = 0;
+  uint64_t seq = 0;  // collectives only (signature.h checks it across ranks)
+  std::string describe() const { return fmt::format("{} ({})", args.describe(), algo->name); }
+};
+
+// What every operation's execution needs, fixed after construction.
+struct Shared {
+  std::shared_ptr<Communicator> comm;
+  std::shared_ptr<Scratch> scratch;
+  std::shared_ptr<SymmCache> symm;
+  std::shared_ptr<CallChecker> checker;
+  std::shared_ptr<EagerChannel> eager;
+  size_t chunk_bytes = 0;
+};
+
 struct Queue;
 
+// One queued operation (or group) and its handle: the plan lives in the Work itself (no
+// separate closure or plan vector per call).
 class WorkImpl final : public Work {
  public:
-  WorkImpl(std::shared_ptr<Queue> q, std::string desc) : q_(std::move(q)), desc_(std::move(desc)) {}
-  // One operation: described on first use (formatting costs more than a small call).
-  WorkImpl(std::shared_ptr<Queue> q, const CollArgs& args, const Algorithm* algo)
-      : q_(std::move(q)), args_(args), algo_(algo) {}
+  explicit WorkImpl(std::shared_ptr<Queue> q) : q_(std::move(q)) {}
   bool test() override;
   void wait(Deadline deadline) override;
   std::exception_ptr error() const override;
+  // Described on first use (formatting costs more than a small call); a group's is set
+  // by groupEnd() before it is queued.
   const std::string& description() const override {
     std::call_once(desc_once_, [&] {
-      if (algo_) desc_ = fmt::format("{} ({})", args_.describe(), algo_->name);
+      if (!is_group) desc_ = op.describe();
     });
     return desc_;
   }
+  // Work::wait(): allows for every operation that was ahead of this one at issue.
+  void waitDefault();
 
   std::shared_ptr<Queue> q_;
+  // Fixed before the Work is queued; read by the thread that executes it.
+  Planned op;                  // a single operation
+  std::vector<Planned> group;  // groupStart()/groupEnd(): every grouped operation
+  bool is_group = false;
+  HierComms* hier = nullptr;  // the Collectives' (outlives every execution), when planned
+  int64_t issued_ns = 0;      // telemetry
   // Guarded by Queue::m.
-  std::function<void(Deadline)> body;
   Millis timeout{0};
-  Deadline default_wait = Deadline::never();
-  Clock::time_point enqueued{};
+  Clock::time_point enqueued{};  // set whenever it is left queued
+  uint32_t ahead = 0;            // operations queued or executing ahead of it when issued
+  bool eager_published = false;  // EagerChannel::tryRun published this rank's slot already
   bool done = false;
   bool started = false;
   std::exception_ptr err;
-  mutable std::string desc_;  // groups: set by groupEnd() before the group is enqueued
+  mutable std::string desc_;
   mutable std::once_flag desc_once_;
-  CollArgs args_;
-  const Algorithm* algo_ = nullptr;
 };
+
+bool isP2p(CollType c);
+bool isEmpty(const CollArgs& a);
+
+// Runs one Work's operation(s) to completion; throws its error.
+void execute(const Shared& sh, WorkImpl& w, Deadline deadline) {
+  // Telemetry: issue time from the Work, start/end/waits around the run (PeerWait in the algorithms).
+  const auto& comm = sh.comm;
+  RunContext x;
+  x.scratch = sh.scratch.get();
+  x.symm = sh.symm.get();
+  x.comm = comm.get();
+  x.deadline = deadline;
+  x.chunk_bytes = sh.chunk_bytes;
+  x.hier = w.hier;
+  if (!w.is_group && !isP2p(w.op.args.coll)) {
+    const Planned& op = w.op;
+    telemetry::OpScope record(collTypeName(op.args.coll), op.args.selectionBytes(comm->size()), op.algo->name,
+                              w.issued_ns, static_cast<int64_t>(op.seq), comm->rank());
+    // The eager path checks the call in its own slots (eager.h).
+    if (isEagerAlgorithm(op.algo)) return sh.eager->run(op.args, op.seq, deadline, w.eager_published);
+    sh.checker->check(comm, op.args, op.seq, deadline);
+    if (isEmpty(op.args)) return;
+    x.tag = op.tag;
+    op.algo->run(op.args, x);
+    return;
+  }
+  // A group (or a lone send/recv): post every point-to-point first so they overlap
+  // with each other and with the group's collectives, then wait for all.
+  const Planned* ops = w.is_group ? w.group.data() : &w.op;
+  const size_t nops = w.is_group ? w.group.size() : 1;
+  const bool lone = !w.is_group;
+  uint64_t total_bytes = 0;
+  for (size_t i = 0; i < nops; ++i) total_bytes += ops[i].args.selectionBytes(comm->size());
+  telemetry::OpScope record(lone ? collTypeName(ops[0].args.coll) : "group", total_bytes,
+                            lone ? ops[0].algo->name : std::string_view("group"), w.issued_ns, -1, comm->rank());
+  std::vector<RequestPtr> reqs;
+  std::vector<size_t> expect;
+  for (size_t i = 0; i < nops; ++i) {
+    const CollArgs& a = ops[i].args;
+    const size_t bytes = a.count * elementSize(a.type);
+    if (a.coll == CollType::kSend) {
+      reqs.push_back(comm->isend(a.send, bytes, a.peer, a.tag));
+      expect.push_back(SIZE_MAX);
+    } else if (a.coll == CollType::kRecv) {
+      reqs.push_back(comm->irecv(a.recv, bytes, a.peer, a.tag));
+      expect.push_back(bytes);
+    }
+  }
+  for (size_t i = 0; i < nops; ++i) {
+    const Planned& op = ops[i];
+    if (isP2p(op.args.coll)) continue;
+    if (isEagerAlgorithm(op.algo)) {
+      sh.eager->run(op.args, op.seq, deadline);
+      continue;
+    }
+    sh.checker->check(comm, op.args, op.seq, deadline);
+    if (isEmpty(op.args)) continue;
+    x.tag = op.tag;
+    op.algo->run(op.args, x);
+  }
+  {
+    telemetry::PeerWait waiting(lone ? ops[0].args.peer : -1);
+    comm->waitAll(reqs, deadline);
+  }
+  size_t k = 0;
+  for (size_t i = 0; i < nops; ++i) {
+    const Planned& op = ops[i];
+    if (!isP2p(op.args.coll)) continue;
+    if (expect[k] != SIZE_MAX && reqs[k]->status().bytes != expect[k])
+      throw InvalidUsage(
+          fmt::format("{}rank {} sent {} bytes, expected {}; do the counts match?",
+                      errorContext(comm->rank(), "recv"), op.args.peer, reqs[k]->status().bytes, expect[k]),
+          {op.args.peer});
+    ++k;
+  }
+}
 
 struct Queue {
   std::mutex m;
@@ -135,16 +249,52 @@ struct Queue {
   std::deque<std::shared_ptr<WorkImpl>> items;
   bool executing = false;
   bool stop = false;
+  bool worker_idle = false;      // the worker sleeps without a timeout (queue was empty)
   int helpers = 0;               // threads blocked in wait() that will run the head
-  Clock::time_point last_end{};  // when the last operation finished
+  Clock::time_point last_end{};  // when the last queued operation finished
   std::exception_ptr sticky;
   std::string sticky_op;
   int rank = -1;
+  std::shared_ptr<const Shared> shared;  // set before the worker starts
 
   bool canRunHead() const { return !executing && !items.empty(); }
   // When the worker may claim the runnable head (waiting threads go first).
   Clock::time_point workerClaimsAt() const {
     return std::max(items.front()->enqueued, last_end) + kHandOffGrace;
+  }
+  // The worker sleeps without a timeout only on an empty queue: wake it once for new work.
+  void wakeWorker() {
+    if (worker_idle && !items.empty()) {
+      worker_idle = false;
+      worker_cv.notify_one();
+    }
+  }
+
+  // Queues `w` behind everything issued before it; called with m held. `stamp` false:
+  // the caller sets w.enqueued and wakes the worker itself if `w` is still queued after
+  // trying to run it (progressEager).
+  void push(const std::shared_ptr<WorkImpl>& w, Millis timeout, bool stamp) {
+    w->timeout = timeout;
+    w->ahead = static_cast<uint32_t>(items.size() + (executing ? 1 : 0));
+    items.push_back(w);
+    if (stamp) {
+      w->enqueued = Clock::now();
+      wakeWorker();
+    }
+  }
+
+  // Records the end of `w` (m held): its error (sticky for every later operation),
+  // done, and wakes its waiters.
+  void finish(WorkImpl& w, std::exception_ptr err) {
+    w.group.clear();
+    w.err = err;
+    w.done = true;
+    if (err && !sticky) {
+      sticky = err;
+      sticky_op = w.description();
+    }
+    executing = false;
+    cv.notify_all();
   }
 
   // Executes the head; called and returns with `lk` held.
@@ -154,7 +304,7 @@ struct Queue {
     executing = true;
     w->started = true;
     std::exception_ptr first = sticky;
-    std::string first_op = sticky_op;
+    std::string first_op = first ? sticky_op : std::string();
     lk.unlock();
     std::exception_ptr err;
     if (first) {
@@ -164,22 +314,50 @@ struct Queue {
                                         errorContext(rank, w->description()), first_op));
     } else {
       try {
-        w->body(Deadline::after(w->timeout));
+        execute(*shared, *w, Deadline::after(w->timeout));
       } catch (...) {
         err = withPrefix(std::current_exception(), fmt::format("{}: ", w->description()));
       }
     }
     lk.lock();
-    w->body = nullptr;  // release captured buffers/communicators
-    w->err = err;
-    w->done = true;
-    if (err && !sticky) {
-      sticky = err;
-      sticky_op = w->description();
-    }
-    executing = false;
+    finish(*w, err);
     last_end = Clock::now();
-    cv.notify_all();
+  }
+
+  // Progress by the calling thread (called with `lk` held; right after queueing `mine`,
+  // or from test()): while nothing else executes, runs eager heads with
+  // EagerChannel::tryRun (never a sleep), up to and including `mine`. With `spin_mine`,
+  // `mine`'s first try spins for its peers (CROSSBAR_SPIN_US when ranks <= cores);
+  // other tries are a quick look. A small call whose peers are there finishes inside the call that
+  // issued it: no hand-off to the worker, no wake-up. The first head that is not eager
+  // or not finished stays the head, for the worker or a waiting thread (which finish a
+  // published one with run()).
+  void progressEager(std::unique_lock<std::mutex>& lk, const WorkImpl* mine, bool spin_mine) {
+    while (!executing && !items.empty() && !sticky) {
+      if (items.front()->is_group || !isEagerAlgorithm(items.front()->op.algo)) return;
+      std::shared_ptr<WorkImpl> w = std::move(items.front());
+      items.pop_front();
+      executing = true;
+      w->started = true;
+      lk.unlock();
+      std::exception_ptr err;
+      bool finished = true;
+      const bool spin = spin_mine && w.get() == mine && !w->eager_published;
+      try {
+        finished = shared->eager->tryRun(w->op.args, w->op.seq, &w->eager_published, spin);
+      } catch (...) {
+        err = withPrefix(std::current_exception(), fmt::format("{}: ", w->description()));
+      }
+      lk.lock();
+      if (!finished) {
+        items.push_front(std::move(w));
+        executing = false;
+        cv.notify_all();  // a waiting thread may run it now
+        return;
+      }
+      finish(*w, err);
+      if (w.get() == mine) return;
+    }
   }
 
   // The worker thread's loop: runs heads nobody else runs, until stopped and drained.
@@ -195,16 +373,23 @@ struct Queue {
         continue;
       }
       if (stop && items.empty()) return;
-      if (items.empty())
+      if (items.empty()) {
+        worker_idle = true;
         worker_cv.wait(lk);
-      else
+        worker_idle = false;
+      } else {
         worker_cv.wait_for(lk, kWorkerPoll);  // another thread executes; the rest may be ours
+      }
     }
   }
 };
 
 bool WorkImpl::test() {
-  std::lock_guard<std::mutex> lk(q_->m);
+  std::unique_lock<std::mutex> lk(q_->m);
+  if (!done && q_->shared && !telemetry::Recorder::instance().enabled()) {
+    q_->progressEager(lk, this, false);  // a quick look: test() never waits
+    if (!done) q_->wakeWorker();
+  }
   if (done && err) std::rethrow_exception(err);
   return done;
 }
@@ -212,6 +397,20 @@ bool WorkImpl::test() {
 std::exception_ptr WorkImpl::error() const {
   std::lock_guard<std::mutex> lk(q_->m);
   return err;
+}
+
+void WorkImpl::waitDefault() {
+  Millis allow{0};
+  {
+    std::lock_guard<std::mutex> lk(q_->m);
+    if (done) {
+      if (err) std::rethrow_exception(err);
+      return;
+    }
+    allow = timeout * static_cast<int64_t>(ahead + 1) + Millis(5000) -
+            std::chrono::duration_cast<Millis>(Clock::now() - enqueued);
+  }
+  wait(Deadline::after(allow));
 }
 
 void WorkImpl::wait(Deadline deadline) {
@@ -233,6 +432,7 @@ void WorkImpl::wait(Deadline deadline) {
     }
     // While the head is one this wait may run, the worker leaves it to this thread.
     const bool helper = q_->items.empty() || now + q_->items.front()->timeout <= deadline.at();
+    if (!helper) q_->wakeWorker();  // the head is the worker's (it may have been left asleep)
     if (helper) ++q_->helpers;
     q_->cv.wait_for(lk, std::min<Millis>(deadline.remaining(), Millis(100)));
     if (helper) --q_->helpers;
@@ -425,28 +625,9 @@ void validateCollArgs(const CollArgs& a, const Communicator& c) {
   validate(a, c);
 }
 
-namespace {
-
-struct Planned;
-int64_t opSeq(const Planned& op);  // the collective's sequence number (telemetry)
-
-struct Planned {
-  CollArgs args;
-  const Algorithm* algo = nullptr;
-  uint32_t tag = 0;
-  uint64_t seq = 0;  // collectives only (signature.h checks it across ranks)
-  std::string describe() const { return fmt::format("{} ({})", args.describe(), algo->name); }
-};
-
-int64_t opSeq(const Planned& op) {
-  return static_cast<int64_t>(op.seq);
-}
-
-}  // namespace
-
 void Work::wait() {
-  auto* w = dynamic_cast<WorkImpl*>(this);
-  wait(w ? w->default_wait : Deadline::after(defaultTimeout()));
+  if (auto* w = dynamic_cast<WorkImpl*>(this)) return w->waitDefault();
+  wait(Deadline::after(defaultTimeout()));
 }
 
 struct Collectives::Impl {
@@ -466,22 +647,8 @@ struct Collectives::Impl {
   std::vector<Planned> group;
   std::shared_ptr<WorkImpl> group_work;
   std::shared_ptr<CudaRoute> cuda_route;  // device memory: collectives/cuda/route.h
-  // What every operation's body needs, fixed after construction: one reference per
-  // queued operation instead of one per member (each is an atomic count up and down).
-  struct Shared {
-    std::shared_ptr<Communicator> comm;
-    std::shared_ptr<Scratch> scratch;
-    std::shared_ptr<SymmCache> symm;
-    std::shared_ptr<CallChecker> checker;
-    std::shared_ptr<EagerChannel> eager;
-    size_t chunk_bytes = 0;
-  };
-  std::shared_ptr<const Shared> shared;
-
   Planned plan(CollArgs a, const CollOptions& o);
-  std::function<void(Deadline)> makeBody(std::vector<Planned> ops);
   WorkPtr submit(CollArgs a, const CollOptions& o);
-  void enqueue(const std::shared_ptr<WorkImpl>& w, Millis timeout);
   Millis timeoutOf(const CollOptions& o) const { return o.timeout.count() > 0 ? o.timeout : comm->timeout(); }
 };
 
@@ -508,95 +675,8 @@ Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
   return pl;
 }
 
-std::function<void(Deadline)> Collectives::Impl::makeBody(std::vector<Planned> ops) {
-  // Telemetry: issue time here, start/end/waits around the run (PeerWait in the algorithms).
-  const int64_t issued_ns = telemetry::Recorder::instance().enabled() ? telemetry::nowNs() : 0;
-  return [sh = shared, ops = std::move(ops), hier = hier, issued_ns](Deadline deadline) {
-    const auto& comm = sh->comm;
-    const auto& checker = sh->checker;
-    const auto& eager = sh->eager;
-    RunContext x;
-    x.scratch = sh->scratch.get();
-    x.symm = sh->symm.get();
-    x.comm = comm.get();
-    x.deadline = deadline;
-    x.chunk_bytes = sh->chunk_bytes;
-    x.hier = hier.get();
-    if (ops.size() == 1 && !isP2p(ops[0].args.coll)) {
-      telemetry::OpScope record(collTypeName(ops[0].args.coll), ops[0].args.selectionBytes(comm->size()),
-                                ops[0].algo->name, issued_ns, opSeq(ops[0]), comm->rank());
-      // The eager path checks the call in its own slots (eager.h).
-      if (isEagerAlgorithm(ops[0].algo)) return eager->run(ops[0].args, ops[0].seq, deadline);
-      checker->check(comm, ops[0].args, ops[0].seq, deadline);
-      if (isEmpty(ops[0].args)) return;
-      x.tag = ops[0].tag;
-      ops[0].algo->run(ops[0].args, x);
-      return;
-    }
-    // A group (or a lone send/recv): post every point-to-point first so they overlap
-    // with each other and with the group's collectives, then wait for all.
-    const bool lone = ops.size() == 1;
-    uint64_t total_bytes = 0;
-    for (const Planned& op : ops) total_bytes += op.args.selectionBytes(comm->size());
-    telemetry::OpScope record(lone ? collTypeName(ops[0].args.coll) : "group", total_bytes,
-                              lone ? ops[0].algo->name : std::string_view("group"), issued_ns, -1,
-                              comm->rank());
-    std::vector<RequestPtr> reqs;
-    std::vector<size_t> expect;
-    for (const Planned& op : ops) {
-      const CollArgs& a = op.args;
-      const size_t bytes = a.count * elementSize(a.type);
-      if (a.coll == CollType::kSend) {
-        reqs.push_back(comm->isend(a.send, bytes, a.peer, a.tag));
-        expect.push_back(SIZE_MAX);
-      } else if (a.coll == CollType::kRecv) {
-        reqs.push_back(comm->irecv(a.recv, bytes, a.peer, a.tag));
-        expect.push_back(bytes);
-      }
-    }
-    for (const Planned& op : ops) {
-      if (isP2p(op.args.coll)) continue;
-      if (isEagerAlgorithm(op.algo)) {
-        eager->run(op.args, op.seq, deadline);
-        continue;
-      }
-      checker->check(comm, op.args, op.seq, deadline);
-      if (isEmpty(op.args)) continue;
-      x.tag = op.tag;
-      op.algo->run(op.args, x);
-    }
-    {
-      telemetry::PeerWait waiting(lone ? ops[0].args.peer : -1);
-      comm->waitAll(reqs, deadline);
-    }
-    size_t k = 0;
-    for (const Planned& op : ops) {
-      if (!isP2p(op.args.coll)) continue;
-      if (expect[k] != SIZE_MAX && reqs[k]->status().bytes != expect[k])
-        throw InvalidUsage(
-            fmt::format("{}rank {} sent {} bytes, expected {}; do the counts match?",
-                        errorContext(comm->rank(), "recv"), op.args.peer, reqs[k]->status().bytes, expect[k]),
-            {op.args.peer});
-      ++k;
-    }
-  };
-}
-
-void Collectives::Impl::enqueue(const std::shared_ptr<WorkImpl>& w, Millis timeout) {
-  std::lock_guard<std::mutex> lk(q->m);
-  w->timeout = timeout;
-  // A plain wait() allows for every operation ahead of this one to use its deadline.
-  const size_t ahead = q->items.size() + (q->executing ? 1 : 0);
-  w->default_wait = Deadline::after(timeout * static_cast<int64_t>(ahead + 1) + Millis(5000));
-  w->enqueued = Clock::now();
-  q->items.push_back(w);
-  // Only an empty queue leaves the worker asleep without a timeout; waiters need no
-  // wake-up (their own operation is still ahead of or at this one).
-  if (q->items.size() == 1) q->worker_cv.notify_one();
-}
-
 WorkPtr Collectives::Impl::submit(CollArgs a, const CollOptions& o) {
-  std::lock_guard<std::mutex> lk(issue_m);
+  std::unique_lock<std::mutex> issue(issue_m);
   if (WorkPtr w = routeToCuda(cuda_route, comm, a, o, group_depth > 0)) return w;
   Planned pl = plan(std::move(a), o);
   if (group_depth > 0) {
@@ -604,11 +684,26 @@ WorkPtr Collectives::Impl::submit(CollArgs a, const CollOptions& o) {
     group.push_back(std::move(pl));
     return group_work;
   }
-  auto w = std::make_shared<WorkImpl>(q, pl.args, pl.algo);
-  std::vector<Planned> ops;
-  ops.push_back(std::move(pl));
-  w->body = makeBody(std::move(ops));
-  enqueue(w, timeoutOf(o));
+  auto w = std::make_shared<WorkImpl>(q);
+  w->op = std::move(pl);
+  w->hier = hier.get();
+  const bool recording = telemetry::Recorder::instance().enabled();
+  if (recording) w->issued_ns = telemetry::nowNs();
+  // Eager calls are tried right here (telemetry records operations from execute()).
+  const bool try_now = !recording && isEagerAlgorithm(w->op.algo);
+  std::unique_lock<std::mutex> lk(q->m);
+  q->push(w, timeoutOf(o), !try_now);
+  issue.unlock();  // queued: later calls go behind it
+  if (try_now) {
+    q->progressEager(lk, w.get(), true);
+    if (!w->done) {
+      w->enqueued = Clock::now();
+      // Published and the only call pending: the peers finish it without this rank, and
+      // this rank's next call, test() or wait() finishes it here (no wake-up on this
+      // core). Anything else the peers may need from this rank is the worker's.
+      if (!(w->eager_published && q->items.size() == 1)) q->wakeWorker();
+    }
+  }
   return w;
 }
 
@@ -631,8 +726,8 @@ Collectives::Collectives(std::shared_ptr<Communicator> comm) : comm_(std::move(c
         auto e = eager.lock();
         return e && e->peek(peer, seq, out);
       });
-  impl_->shared = std::make_shared<const Impl::Shared>(Impl::Shared{
-      impl_->comm, impl_->scratch, impl_->symm, impl_->checker, impl_->eager, impl_->chunk_bytes});
+  impl_->q->shared = std::make_shared<const Shared>(
+      Shared{impl_->comm, impl_->scratch, impl_->symm, impl_->checker, impl_->eager, impl_->chunk_bytes});
   impl_->worker = std::thread([q = impl_->q] { q->workerLoop(); });
 }
 
@@ -648,6 +743,9 @@ Collectives::~Collectives() {
     impl_->q->worker_cv.notify_all();
   }
   impl_->worker.join();
+  // Works may outlive this object: they keep the queue, not the communicator.
+  std::lock_guard<std::mutex> lk(impl_->q->m);
+  impl_->q->shared.reset();
 }
 
 WorkPtr Collectives::allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
@@ -741,7 +839,9 @@ void Collectives::groupStart() {
   std::lock_guard<std::mutex> lk(impl_->issue_m);
   if (impl_->group_depth++ == 0) {
     impl_->group.clear();
-    impl_->group_work = std::make_shared<WorkImpl>(impl_->q, "group");
+    impl_->group_work = std::make_shared<WorkImpl>(impl_->q);
+    impl_->group_work->is_group = true;
+    impl_->group_work->desc_ = "group";
     impl_->group_work->timeout = Millis(0);
   }
 }
@@ -758,10 +858,15 @@ WorkPtr Collectives::groupEnd() {
   if (impl_->group.size() > 4) desc += ", ...";
   w->desc_ = desc;
   Millis timeout = w->timeout.count() > 0 ? w->timeout : comm_->timeout();
-  w->body = impl_->makeBody(std::move(impl_->group));
+  if (telemetry::Recorder::instance().enabled()) w->issued_ns = telemetry::nowNs();
+  w->hier = impl_->hier.get();
+  {
+    std::lock_guard<std::mutex> lk(impl_->q->m);
+    w->group = std::move(impl_->group);
+    impl_->q->push(w, timeout, true);
+  }
   impl_->group.clear();
   impl_->group_work.reset();
-  impl_->enqueue(w, timeout);
   return w;
 }
 

@@ -22,6 +22,11 @@ namespace {
 constexpr size_t kLine = 64;
 constexpr size_t kMaxEagerBytes = size_t{1} << 20;  // slots are kEagerSlots x this per rank at most
 constexpr Millis kYieldPhase{2};
+// How long tryRun() spins for peers that have not published yet. Peers running in step
+// arrive within a few microseconds; one that is later is descheduled or busy, and a
+// longer spin then only delays the issuing thread (measured: 50 us was 2-3x slower per
+// 2-rank small allreduce than 10 us on the loaded 2-core VM; docs/performance.md).
+constexpr auto kIssueSpin = std::chrono::microseconds(10);
 // Sleeps are cut into slices so a waiting rank also notices a peer that took the
 // checked path (its call-check slot) instead of waiting out the whole deadline. Longer
 // than the symmetric buffer's own 100 ms sleep slice, after which it checks for an
@@ -173,6 +178,34 @@ void EagerChannel::waitSlotFree(uint64_t seq, Deadline deadline) {
   }
 }
 
+bool EagerChannel::slotFree(uint64_t seq) {
+  const uint64_t prev = header(rank_, seq)->seq1.load(std::memory_order_relaxed);
+  if (prev == 0) return true;
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_ || known_done_[q] >= prev) continue;
+    known_done_[q] = __atomic_load_n(doneWord(q), __ATOMIC_ACQUIRE);
+    if (known_done_[q] < prev) return false;
+  }
+  return true;
+}
+
+bool EagerChannel::peersPublished(uint64_t seq, Clock::duration spin) const {
+  const uint64_t want = seq + 1;
+  Clock::time_point until{};  // read the clock only when a peer is late
+  for (int i = 1; i < size_; ++i) {
+    const Header* h = header((rank_ + i) % size_, seq);
+    auto ready = [&] { return h->seq1.load(std::memory_order_acquire) == want; };
+    if (ready()) continue;
+    if (spin <= Clock::duration::zero()) return false;  // a quick look (a pause is ~30 ns here)
+    if (until == Clock::time_point{}) until = Clock::now() + spin;
+    while (!ready()) {
+      for (int k = 0; k < 32 && !ready(); ++k) __builtin_ia32_pause();
+      if (!ready() && Clock::now() >= until) return false;
+    }
+  }
+  return true;
+}
+
 bool EagerChannel::awaitPeer(int peer, uint64_t seq, Deadline deadline, CallSignature* theirs) {
   Header* h = header(peer, seq);
   const uint64_t want = seq + 1;
@@ -241,23 +274,45 @@ void EagerChannel::runLocal(const CollArgs& a) {
   if (a.coll != CollType::kBroadcast && a.send != a.recv) std::memmove(a.recv, a.send, n * es);
 }
 
-void EagerChannel::run(const CollArgs& a, uint64_t seq, Deadline deadline) {
+void EagerChannel::run(const CollArgs& a, uint64_t seq, Deadline deadline, bool published) {
   if (size_ == 1) return runLocal(a);
-  const CallCheckMode mode = checker_ ? checker_->mode() : CallCheckMode::kOff;
-  // Full mode keeps its message exchange (debugging; also compares what this path would).
-  if (mode == CallCheckMode::kFull) checker_->check(comm_, a, seq, deadline);
-  if (!buf_) {
-    // Cheap mode: the call-check slots first (their creation creates ours), the order
-    // in which a rank on the checked path creates them too.
-    if (mode == CallCheckMode::kCheap) checker_->ensureLocal(comm_);
-    create();
+  if (!published) {
+    const CallCheckMode mode = checker_ ? checker_->mode() : CallCheckMode::kOff;
+    // Full mode keeps its message exchange (debugging; also compares what this path would).
+    if (mode == CallCheckMode::kFull) checker_->check(comm_, a, seq, deadline);
+    if (!buf_) {
+      // Cheap mode: the call-check slots first (their creation creates ours), the order
+      // in which a rank on the checked path creates them too.
+      if (mode == CallCheckMode::kCheap) checker_->ensureLocal(comm_);
+      create();
+    }
+    waitSlotFree(seq, deadline);
+    publish(a, seq);
   }
-  const int p = size_, r = rank_;
-  const size_t es = elementSize(a.type), n = a.count, blk = n * es;
-  const CallSignature mine = CallSignature::of(a, seq, false);
+  complete(a, seq, deadline);
+}
 
-  // Publish: payload, signature, then seq + 1 (release) in one header line.
-  waitSlotFree(seq, deadline);
+bool EagerChannel::tryRun(const CollArgs& a, uint64_t seq, bool* published, bool spin) {
+  if (size_ == 1) {
+    runLocal(a);
+    return true;
+  }
+  if (!*published) {
+    // Creating the slots is collective and the full check exchanges messages: both wait.
+    if (!buf_ || (checker_ && checker_->mode() == CallCheckMode::kFull) || !slotFree(seq)) return false;
+    publish(a, seq);
+    *published = true;
+  }
+  if (!peersPublished(seq, spin ? std::min<Clock::duration>(spin_, kIssueSpin) : Clock::duration::zero()))
+    return false;
+  complete(a, seq, Deadline::never());  // every header is there: nothing waits
+  return true;
+}
+
+void EagerChannel::publish(const CollArgs& a, uint64_t seq) {
+  const int p = size_, r = rank_;
+  const size_t blk = a.count * elementSize(a.type);
+  const CallSignature mine = CallSignature::of(a, seq, false);
   Header* own = header(r, seq);
   char* data = payload(r, seq);
   switch (a.coll) {
@@ -285,6 +340,13 @@ void EagerChannel::run(const CollArgs& a, uint64_t seq, Deadline deadline) {
   if (own->sleepers.load(std::memory_order_relaxed) != 0)
     for (int q = 0; q < p; ++q)
       if (q != r) buf_->putSignal(q, kWakeChannel);
+}
+
+void EagerChannel::complete(const CollArgs& a, uint64_t seq, Deadline deadline) {
+  const CallCheckMode mode = checker_ ? checker_->mode() : CallCheckMode::kOff;
+  const int p = size_, r = rank_;
+  const size_t n = a.count, blk = n * elementSize(a.type);
+  const CallSignature mine = CallSignature::of(a, seq, false);
 
   // Every peer's header: the data is there and the calls compare (the mismatch check).
   bool agree = true;

@@ -65,7 +65,19 @@ class EagerChannel {
 
   // Runs collective number `seq` (every rank calls it at the same point). Throws
   // InvalidUsage on a mismatched call, Timeout / PeerFailure / Aborted from the waits.
-  void run(const CollArgs& a, uint64_t seq, Deadline deadline);
+  // `published`: an earlier tryRun() already published this rank's slot of `seq`.
+  void run(const CollArgs& a, uint64_t seq, Deadline deadline, bool published = false);
+
+  // The nonblocking form of run(), for the thread that issues the call: publishes this
+  // rank's slot (once; sets *published) and completes the collective when every peer's
+  // header is there within a few hundred pause instructions, or with `spin` within the
+  // wait policy's spin (CROSSBAR_SPIN_US when ranks <= cores). Never sleeps, never
+  // waits for a deadline. false: not finished yet (slots not created,
+  // CROSSBAR_CHECK_CALLS=full, the slot still read by a peer, or a peer not there yet);
+  // finish it with run(..., *published) or another tryRun. Once published, the peers
+  // can finish the collective without this rank. Throws InvalidUsage on a mismatched
+  // call, like run().
+  bool tryRun(const CollArgs& a, uint64_t seq, bool* published, bool spin);
 
   // Collective: creates the slots (idempotent). Called by the call check right after
   // its own slots, or by run() when there is no such check.
@@ -79,6 +91,14 @@ class EagerChannel {
   char* payload(int rank, uint64_t seq) const;
   uint64_t* doneWord(int rank) const;
   void waitSlotFree(uint64_t seq, Deadline deadline);
+  bool slotFree(uint64_t seq);  // waitSlotFree() without waiting
+  // Payload, signature, then seq + 1 (release) in the own header; wakes sleeping readers.
+  void publish(const CollArgs& a, uint64_t seq);
+  // Every peer's header of `seq` within `spin` (no sleep).
+  bool peersPublished(uint64_t seq, Clock::duration spin) const;
+  // After publish(): waits for every peer's header, compares the calls, moves the data
+  // and marks `seq` done.
+  void complete(const CollArgs& a, uint64_t seq, Deadline deadline);
   // Waits for `peer`'s header of `seq`; false (with `theirs` filled) when the peer took
   // the checked path for it instead.
   bool awaitPeer(int peer, uint64_t seq, Deadline deadline, CallSignature* theirs);

@@ -400,6 +400,102 @@ TEST(Eager, ManyBackToBackNonblocking) {
   }
 }
 
+// A lone rank's eager call finishes inside the call that issues it (the issuing thread
+// runs it when nothing is queued: no hand-off to the worker thread).
+TEST(Eager, OneRankFinishesInsideTheCall) {
+  runRanks(1, [](RankEnv& env) {
+    auto comm = env.communicator();
+    Collectives coll(comm);
+    std::vector<float> in(5), out(5);
+    for (int i = 0; i < 200; ++i) {
+      for (int k = 0; k < 5; ++k) in[k] = static_cast<float>(i + k);
+      WorkPtr w = coll.allreduce(in.data(), out.data(), 5, DataType::kFloat32, ReduceOp::kSum);
+      ASSERT_TRUE(w->test()) << "call " << i << " was left to the worker";
+      ASSERT_EQ(out, in);
+      w = coll.barrier();
+      ASSERT_TRUE(w->test());
+    }
+    comm->destroy();
+  });
+}
+
+// Issuing an eager call never waits for the peers: rank 0 issues several (the first
+// one published, the rest queued behind it) and only then lets rank 1 call them, by a
+// message outside the Collectives queue. An issue that waited for the peer would
+// deadlock here until the timeout.
+TEST(Eager, IssueDoesNotWaitForLatePeers) {
+  runRanks(2, [](RankEnv& env) {
+    auto comm = env.communicator();
+    Collectives coll(comm);
+    const int me = comm->rank();
+    CollOptions o;
+    o.timeout = Millis(20'000);
+    std::vector<int32_t> warm(1, 1), warm_out(1);
+    coll.allreduce(warm.data(), warm_out.data(), 1, DataType::kInt32, ReduceOp::kSum, o)->wait();
+    constexpr uint32_t kGoTag = 11;
+    uint8_t go = 1;
+    if (me == 1)
+      comm->waitAll({comm->irecv(&go, 1, 0, kGoTag)}, Deadline::after(Millis(20'000)));
+    std::vector<std::vector<int32_t>> in(6, std::vector<int32_t>(7)), out(6, std::vector<int32_t>(14));
+    std::vector<WorkPtr> works;
+    for (int i = 0; i < 6; ++i) {
+      for (int k = 0; k < 7; ++k) in[i][k] = me * 100 + i * 10 + k;
+      if (i % 2 == 0)
+        works.push_back(coll.allreduce(in[i].data(), out[i].data(), 7, DataType::kInt32, ReduceOp::kSum, o));
+      else
+        works.push_back(coll.allgather(in[i].data(), out[i].data(), 7, DataType::kInt32, o));
+    }
+    EXPECT_NE(works[0]->description().find("(eager)"), std::string::npos);
+    if (me == 0) {
+      for (const WorkPtr& w : works) EXPECT_FALSE(w->test()) << "finished before the peer called it";
+      comm->waitAll({comm->isend(&go, 1, 1, kGoTag)}, Deadline::after(Millis(20'000)));
+    }
+    for (const WorkPtr& w : works) w->wait();
+    for (int i = 0; i < 6; ++i)
+      for (int k = 0; k < 7; ++k) {
+        if (i % 2 == 0) {
+          ASSERT_EQ(out[i][k], 100 + 2 * (i * 10 + k)) << i << "," << k;
+        } else {
+          ASSERT_EQ(out[i][k], i * 10 + k);
+          ASSERT_EQ(out[i][7 + k], 100 + i * 10 + k);
+        }
+      }
+    comm->destroy();
+  });
+}
+
+// Two Collectives (two communicators) called in opposite orders on the two ranks: each
+// queue makes progress on its own, so neither rank's first call may wait for its peer.
+TEST(Eager, TwoCommunicatorsInOppositeOrders) {
+  runRanks(2, [](RankEnv& env) {
+    auto comm = env.communicator();
+    auto other = comm->split(0, comm->rank());
+    const int me = comm->rank();
+    {
+      Collectives a(comm), b(other);
+      CollOptions o;
+      o.timeout = Millis(20'000);
+      for (int round = 0; round < 20; ++round) {
+        int32_t x = me + round, y = 10 * me + round, rx = 0, ry = 0;
+        WorkPtr wx, wy;
+        if (me == 0) {
+          wx = a.allreduce(&x, &rx, 1, DataType::kInt32, ReduceOp::kSum, o);
+          wy = b.allreduce(&y, &ry, 1, DataType::kInt32, ReduceOp::kSum, o);
+        } else {
+          wy = b.allreduce(&y, &ry, 1, DataType::kInt32, ReduceOp::kSum, o);
+          wx = a.allreduce(&x, &rx, 1, DataType::kInt32, ReduceOp::kSum, o);
+        }
+        wx->wait();
+        wy->wait();
+        ASSERT_EQ(rx, 1 + 2 * round);
+        ASSERT_EQ(ry, 10 + 2 * round);
+      }
+    }
+    other->destroy();
+    comm->destroy();
+  });
+}
+
 namespace {
 
 // Every rank must get InvalidUsage with `needle` (not a timeout) within `within`, and
