@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <optional>
 
@@ -18,6 +19,7 @@
 #include <cuda_runtime_api.h>
 
 #include "collectives/cuda/cuda_collectives.h"
+#include "symmem/cuda/stream_signal.h"
 #endif
 
 namespace crossbar::torch_backend {
@@ -407,6 +409,7 @@ CrossbarWork::CrossbarWork(int rank, c10d::OpType type, const char* profiling_ti
 CrossbarWork::~CrossbarWork() = default;
 
 bool CrossbarWork::underlyingDone(std::exception_ptr* err) {
+  if (start) return false;  // a staged send not posted yet
   if (coll) {
     if (auto e = coll->error()) {
       *err = e;
@@ -477,6 +480,7 @@ void CrossbarWork::complete(std::exception_ptr err) {
   }
   post = nullptr;
   finish(err);
+  if (on_finish) std::exchange(on_finish, nullptr)();
   if (isCuda()) {
     // The future completed when the work was enqueued (stream semantics); a failure found
     // later shows in wait(), exception() and the backend's getError().
@@ -488,7 +492,8 @@ void CrossbarWork::complete(std::exception_ptr err) {
           return std::string(e.what());
         }
       }());
-    keepalive.clear();
+    // (A staged work's pinned buffers stay: the transport or a copy may still use them.)
+    if (!staged) keepalive.clear();
   } else if (err) {
     future_->setError(err);
   } else {
@@ -526,6 +531,25 @@ bool CrossbarWork::isCompleted() {
     return true;
   }
   return false;
+}
+
+bool CrossbarWork::startIfReady(std::exception_ptr* err) {
+  if (!start) return true;
+#if CROSSBAR_TORCH_CUDA
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(cuda_device));
+  const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(start_after.get()));
+  if (e == cudaErrorNotReady) return false;
+  try {
+    checkCuda(e, rank_, "cudaEventQuery (staged send's copy)");
+    requests.push_back(start());
+  } catch (...) {
+    *err = std::current_exception();
+  }
+#else
+  (void)err;  // staged sends exist only with the CUDA path
+#endif
+  start = nullptr;
+  return true;
 }
 
 bool CrossbarWork::isSuccess() const {
@@ -584,6 +608,45 @@ bool CrossbarWork::wait(std::chrono::milliseconds timeout) {
 void CrossbarWork::abort() {
   complete(std::make_exception_ptr(Aborted(errorContext(rank_, "abort") + "the work was aborted")));
 }
+
+// ---- works whose buffers a transport may still use ---------------------------------------
+
+namespace {
+
+// A point-to-point receive that failed without completing (timed out, or its group was
+// aborted) stays posted in the transport until its message comes or the transports end,
+// and a send's buffer may still be read: such works (their tensors) must outlive their
+// group. The transport holds each request while it may touch the buffer, so a work is
+// released once nothing but the work holds its requests.
+bool transportStillHolds(const CrossbarWork& w) {
+  for (const auto& r : w.requests)
+    if (r.use_count() > 1) return true;
+  for (const auto& c : w.children)
+    if (transportStillHolds(*c)) return true;
+  return false;
+}
+
+class LingeringWorks {
+ public:
+  static void keep(std::vector<c10::intrusive_ptr<CrossbarWork>> works) {
+    LingeringWorks& self = instance();
+    std::lock_guard<std::mutex> lk(self.mutex_);
+    std::erase_if(self.works_, [](const auto& w) { return !transportStillHolds(*w); });
+    for (auto& w : works)
+      if (transportStillHolds(*w)) self.works_.push_back(std::move(w));
+  }
+
+ private:
+  // Never destroyed: tensors are not freed during static destruction at exit.
+  static LingeringWorks& instance() {
+    static auto* self = new LingeringWorks();
+    return *self;
+  }
+  std::mutex mutex_;
+  std::vector<c10::intrusive_ptr<CrossbarWork>> works_;
+};
+
+}  // namespace
 
 // ---- CrossbarBackend ------------------------------------------------------------------------
 
@@ -665,6 +728,7 @@ CrossbarBackend::~CrossbarBackend() {
     coll_.reset();
     cuda_.reset();
     announcer_.reset();
+    LingeringWorks::keep(std::move(orphans_));
     comm_.reset();
   } catch (...) {
     // Destructors must not throw; the layers below logged what went wrong.
@@ -692,32 +756,49 @@ void CrossbarBackend::shutdown() {
   coll_.reset();
   cuda_.reset();  // waits (bounded) for its queued GPU work
   announcer_.reset();
+  LingeringWorks::keep(std::move(orphans_));
   if (comm_ && !comm_->aborted()) comm_->destroy();
 }
 
 void CrossbarBackend::abort() {
-  if (comm_ && shares_transports_ && !shut_down_) {
-    bool idle;
-    {
-      std::lock_guard<std::mutex> lk(m_);
-      idle = coll_pending_.empty() && p2p_incoming_.empty() && cuda_pending_.empty() && p2p_active_.load() == 0;
-    }
-    if (idle) {
-      // Nothing to interrupt: stop this group alone (no goodbye barrier: abort is local);
-      // the transports stay with the parent and its other splits.
-      shut_down_ = true;
-      stopThreads();
-      coll_.reset();
-      cuda_.reset();
-      announcer_.reset();
-      return;
-    }
-    // Pending work can only be interrupted by aborting the shared transports.
-    CB_WARN("torch", "abort() of {} with work pending aborts the transports it shares with its parent group "
-            "and that group's other splits", comm_->name());
+  if (shut_down_ || !comm_) return;
+  // The default group's communicator aborts the context: every group over it ends. A
+  // split's (new_group, split_group) aborts only itself (and splits made from it): its
+  // pending operations fail, the transports stay with the default group and the others.
+  comm_->abort(shares_transports_ ? fmt::format("torch.distributed abort of group {}", comm_->name())
+                                  : std::string("torch.distributed abort"));
+  if (!shares_transports_) {
+    shutdown();
+    return;
   }
-  if (comm_) comm_->abort("torch.distributed abort");
-  shutdown();
+  // Works not started or still waiting fail now, not when the threads get to them.
+  std::vector<c10::intrusive_ptr<CrossbarWork>> colls;
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    colls.assign(coll_pending_.begin(), coll_pending_.end());
+    coll_pending_.clear();  // the completion thread lets go of them
+    for (auto& w : p2p_incoming_) w->abort();
+  }
+  bool busy = false;
+  for (auto& w : colls) {
+    std::exception_ptr ignored;
+    busy = busy || !w->underlyingDone(&ignored);
+    w->abort();
+  }
+  stopThreads();
+  if (busy) {
+    // A collective of this group is still running: some of its waits (the symmetric
+    // memory's) end at an abort of the whole context or at their deadline only. It
+    // fails then; meanwhile it may still use the works' buffers, so they and the
+    // Collectives end together on a thread of their own, not here.
+    CB_INFO("torch", "abort of {}: a collective still runs until its deadline; released in the background",
+            comm_->name());
+    std::thread([coll = std::move(coll_), colls = std::move(colls)]() mutable {
+      coll.reset();  // drains (bounded by the operation's deadline)
+      colls.clear();
+    }).detach();
+  }
+  shutdown();  // what is left: no goodbye barrier (aborted)
 }
 
 void CrossbarBackend::setShrinkHandler(ShrinkHandler handler) {
@@ -788,7 +869,7 @@ void CrossbarBackend::completionLoop() {
     bool done = w->waitUnderlying(Deadline::after(Millis(200)), &err);
     if (done) w->complete(err);
     lk.lock();
-    if (done) {
+    if (done && !coll_pending_.empty() && coll_pending_.front() == w) {  // (abort() may have taken it)
       coll_pending_.pop_front();
       if (err && !first_error_) first_error_ = err;
     }
@@ -809,11 +890,14 @@ void CrossbarBackend::p2pLoop() {
     }
     std::erase_if(active, [&](const c10::intrusive_ptr<CrossbarWork>& w) {
       std::exception_ptr err;
-      if (w->underlyingDone(&err)) {
+      if (!w->startIfReady(&err) && !w->deadline.expired()) return false;
+      if (err || w->underlyingDone(&err)) {
         w->complete(err);
         if (err) {  // for getError(), like the collectives' failures
           std::lock_guard<std::mutex> lk(m_);
           if (!first_error_) first_error_ = err;
+          // Failed (e.g. its group was aborted) while the transport still holds it.
+          if (transportStillHolds(*w)) orphans_.push_back(w);
         }
         return true;
       }
@@ -825,7 +909,7 @@ void CrossbarBackend::p2pLoop() {
             fmt::format("{}{} did not finish within {} ms (the peer never posted the matching operation?)",
                         errorContext(rank_, "p2p"), what, w->getTimeout().count())));
         w->complete(err);
-        // The transport may still write into the buffers: keep them alive until shutdown.
+        // The transport may still write into the buffers: keep them alive (LingeringWorks).
         std::lock_guard<std::mutex> lk(m_);
         orphans_.push_back(w);
         if (!first_error_) first_error_ = err;
@@ -835,17 +919,20 @@ void CrossbarBackend::p2pLoop() {
     });
     p2p_active_ = active.size();
     if (active.empty()) continue;
+    // A staged send waits for its device-to-host copy: look again soon.
+    const bool copying = std::any_of(active.begin(), active.end(), [](const auto& w) { return w->start != nullptr; });
     comm_->engine().waitUntil(
         [&] {
           if (p2p_new_.load()) return true;
           for (const auto& w : active) {
+            if (w->start) continue;
             bool all = true;
             for (const auto& r : w->requests) all = all && r->done();
             if (all) return true;
           }
           return false;
         },
-        Deadline::after(Millis(50)));
+        Deadline::after(Millis(copying ? 1 : 50)));
   }
 }
 
@@ -856,6 +943,7 @@ struct CrossbarBackend::Ops {
   CudaCollectives* cuda = nullptr;
   void* stream = nullptr;  // cudaStream_t
   bool* cuda_group_open = nullptr;  // the coalescing block's CUDA group (nested groups stay in it)
+  bool staged = false;  // CUDA point to point through host memory (the group shares a GPU)
 
   bool onCuda() const { return cuda != nullptr; }
 #if CROSSBAR_TORCH_CUDA
@@ -930,7 +1018,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::submit(c10d::OpType type, const 
                                                        const std::function<void(CrossbarWork&, Ops&)>& issue,
                                                        bool p2p) {
   ensureUsable(title);
-  if (on.defined() && on.is_cuda()) return submitCuda(type, title, std::move(outputs), timeout, on, issue);
+  if (on.defined() && on.is_cuda()) return submitCuda(type, title, std::move(outputs), timeout, on, issue, p2p);
   if (coalescing_ && coalesced_kind_ == 2)
     throw InvalidUsage(errorContext(rank_, title) +
                        "a coalescing block (batch_isend_irecv, _coalescing_manager) mixes CPU and CUDA tensors; "
@@ -974,6 +1062,7 @@ CudaCollectives& CrossbarBackend::ensureCuda(int device, const char* op) {
   co.timeout = Millis(timeout_ms_.load());
   cuda_ = std::make_shared<CudaCollectives>(comm_, co);
   cuda_device_ = device;
+  cuda_p2p_staged_ = groupSharesAGpu(device);
   announcer_ = std::make_unique<P2pAnnouncer>(comm_);
   cuda_thread_ = std::thread([this] { cudaLoop(); });
   return *cuda_;
@@ -981,7 +1070,7 @@ CudaCollectives& CrossbarBackend::ensureCuda(int device, const char* op) {
 
 c10::intrusive_ptr<c10d::Work> CrossbarBackend::submitCuda(
     c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, Millis timeout, const at::Tensor& on,
-    const std::function<void(CrossbarWork&, Ops&)>& issue) {
+    const std::function<void(CrossbarWork&, Ops&)>& issue, bool p2p) {
   if (coalescing_ && coalesced_kind_ == 1)
     throw InvalidUsage(errorContext(rank_, title) +
                        "a coalescing block (batch_isend_irecv, _coalescing_manager) mixes CPU and CUDA tensors; "
@@ -992,7 +1081,8 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::submitCuda(
   cudaStream_t stream = currentStream(device);
   auto work = c10::make_intrusive<CrossbarWork>(rank_, type, nullptr, std::move(outputs), timeout,
                                                 std::vector<c10::Device>{on.device()});
-  if (coalescing_ && !cuda_group_open_) {
+  const bool staged = p2p && cuda_p2p_staged_;
+  if (coalescing_ && !cuda_group_open_ && !staged) {
     cc.groupStart();  // NCCL ops of the block launch together at endCoalescing
     cuda_group_open_ = true;
   }
@@ -1001,7 +1091,17 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::submitCuda(
   ops.cuda = &cc;
   ops.stream = stream;
   ops.cuda_group_open = &cuda_group_open_;
+  ops.staged = staged;
   issue(*work, ops);
+  if (work->staged) {
+    if (coalescing_) {  // receives go on the stream at endCoalescing, after every send's copy
+      coalesced_kind_ = 2;
+      coalesced_->children.push_back(work);
+      return work;
+    }
+    launchStaged(work, stream);
+    return work;
+  }
   // Stream order: copies into non-contiguous or listed outputs go on the stream right
   // after the operation, not after the host saw it finish.
   if (work->post) std::exchange(work->post, nullptr)();
@@ -1063,6 +1163,127 @@ void CrossbarBackend::cudaLoop() {
   }
 }
 
+// ---- CUDA point to point through host memory ----------------------------------------------
+// NCCL refuses a communicator in which two ranks share a GPU ("Duplicate GPU detected"),
+// so such a group's CUDA send/recv go through pinned host memory and the host path,
+// ordered on the current stream as NCCL's would be, the host never blocking:
+//   send: D2H copy on the stream -> the point-to-point thread posts the host send once
+//         that copy passed; the work's end on the stream is the copy (the tensor may be
+//         reused after it, like after an NCCL send).
+//   recv: the host receive is posted at once into pinned memory; on the stream: wait for
+//         a release word in that memory (cuStreamWaitValue32), then the H2D copy. The
+//         point-to-point thread releases the word when the receive finished -- also
+//         when it failed or timed out (the error goes to the work and getError()), so
+//         the stream never stays blocked.
+
+namespace {
+// The receive's release word sits ahead of its data, on its own cache line.
+constexpr int64_t kReleaseBytes = 64;
+// Which GPU each rank uses (its UUID), exchanged at the group's first CUDA call; above
+// monitored_barrier's tag (kInternalTagBase + 0x200).
+constexpr uint32_t kGpuIdTag = kInternalTagBase + 0x201;
+
+// Pinned host memory from torch's caching host allocator: a block is reused only after
+// the stream copies recorded on it (copy_ with non_blocking) passed.
+at::Tensor pinnedBytes(int64_t n) {
+  return at::empty({n}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+}
+
+// A contiguous tensor's bytes (flat uint8 view).
+at::Tensor bytesOf(const at::Tensor& t) {
+  return t.reshape({-1}).view(at::kByte);
+}
+}  // namespace
+
+bool CrossbarBackend::groupSharesAGpu(int device) {
+  cudaDeviceProp prop{};
+  checkCuda(cudaGetDeviceProperties(&prop, device), rank_, "cudaGetDeviceProperties");
+  constexpr size_t kId = sizeof(prop.uuid.bytes);
+  std::vector<uint8_t> all(kId * static_cast<size_t>(size_));
+  std::memcpy(&all[rank_ * kId], prop.uuid.bytes, kId);
+  // Point to point, not the host Collectives: a coalescing block may hold its group open.
+  std::vector<RequestPtr> reqs;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    reqs.push_back(comm_->irecv(&all[r * kId], kId, r, kGpuIdTag));
+    reqs.push_back(comm_->isend(&all[rank_ * kId], kId, r, kGpuIdTag));
+  }
+  comm_->waitAll(reqs, Deadline::after(Millis(timeout_ms_.load())));
+  for (int a = 0; a < size_; ++a)
+    for (int b = a + 1; b < size_; ++b)
+      if (std::memcmp(&all[a * kId], &all[b * kId], kId) == 0) {
+        CB_INFO("torch", "{}: ranks {} and {} share a GPU, which NCCL refuses: CUDA point to point goes through "
+                "host memory", comm_->name(), a, b);
+        return true;
+      }
+  return false;
+}
+
+void CrossbarBackend::stagedSend(CrossbarWork& w, const at::Tensor& src, int dst, uint32_t tag, void* stream) {
+  const int64_t n = static_cast<int64_t>(src.nbytes());
+  at::Tensor host = pinnedBytes(n);
+  if (n) host.copy_(bytesOf(src), /*non_blocking=*/true);  // on the current stream
+  w.staged = true;
+  w.keepalive = {src, host};
+  w.start_after = recordEvent(static_cast<cudaStream_t>(stream), rank_);
+  w.cuda_end = w.start_after;
+  w.start = [comm = comm_, host, dst, tag] { return comm->isend(host.data_ptr(), host.nbytes(), dst, tag); };
+}
+
+void CrossbarBackend::stagedRecv(CrossbarWork& w, const at::Tensor& dst, int src, uint32_t tag,
+                                 std::function<void()> stream_post) {
+  const int64_t n = static_cast<int64_t>(dst.nbytes());
+  at::Tensor block = pinnedBytes(kReleaseBytes + n);
+  auto* release = static_cast<uint32_t*>(block.data_ptr());
+  __atomic_store_n(release, 0u, __ATOMIC_RELAXED);
+  void* release_on_device = nullptr;
+  checkCuda(cudaHostGetDevicePointer(&release_on_device, release, 0), rank_,
+            "cudaHostGetDevicePointer (pinned staging of a CUDA receive)");
+  at::Tensor host = block.narrow(0, kReleaseBytes, n);
+  auto req = comm_->irecv(n ? host.data_ptr() : nullptr, static_cast<size_t>(n), src, tag);
+  w.staged = true;
+  w.keepalive = {dst, block};
+  w.requests.push_back(req);
+  w.post = [req, n, src, rank = rank_] {
+    if (req->status().bytes != static_cast<size_t>(n))
+      throw InvalidUsage(fmt::format("{}rank {} sent {} bytes, expected {}; do the tensor sizes match?",
+                                     errorContext(rank, "recv"), src, req->status().bytes, n),
+                         {src});
+  };
+  w.on_finish = [release] { __atomic_store_n(release, 1u, __ATOMIC_RELEASE); };
+  const int device = cuda_device_;
+  const int rank = rank_;
+  w.enqueue = [work = &w, release_on_device, block, host, dst, stream_post = std::move(stream_post), n, device, rank] {
+    cudaStream_t s = currentStream(device);
+    crossbar::cuda::streamWaitValue32(s, static_cast<const uint32_t*>(release_on_device), 1u,
+                                      crossbar::cuda::WaitCond::kEq);
+    if (n) {
+      bytesOf(dst).copy_(host, /*non_blocking=*/true);
+    } else {  // nothing to copy: a 4-byte one still ties the block's reuse to this stream
+      at::empty({4}, dst.options().dtype(at::kByte)).copy_(block.narrow(0, 0, 4), /*non_blocking=*/true);
+    }
+    if (stream_post) stream_post();  // into a non-contiguous output, on the stream
+    work->cuda_end = recordEvent(s, rank);
+  };
+}
+
+void CrossbarBackend::launchStaged(const c10::intrusive_ptr<CrossbarWork>& work, void* /*stream*/) {
+  if (work->enqueue) std::exchange(work->enqueue, nullptr)();
+  // As for every CUDA work: the future completes now, consumers' streams wait for cuda_end.
+  work->getFuture()->markCompleted(c10::IValue(work->result()));
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    p2p_incoming_.push_back(work);
+    p2p_new_ = true;
+  }
+  cv_.notify_all();
+}
+
+std::string CrossbarBackend::cudaP2pPath() const {
+  if (!cuda_) return "";
+  return cuda_p2p_staged_ ? "host-staged" : "nccl";
+}
+
 #else
 
 CudaCollectives& CrossbarBackend::ensureCuda(int /*device*/, const char* op) {
@@ -1071,13 +1292,18 @@ CudaCollectives& CrossbarBackend::ensureCuda(int /*device*/, const char* op) {
 
 c10::intrusive_ptr<c10d::Work> CrossbarBackend::submitCuda(c10d::OpType, const char* title, std::vector<at::Tensor>,
                                                            Millis, const at::Tensor&,
-                                                           const std::function<void(CrossbarWork&, Ops&)>&) {
+                                                           const std::function<void(CrossbarWork&, Ops&)>&, bool) {
   ensureCuda(-1, title);
   return nullptr;
 }
 
 void CrossbarBackend::enqueuedOnCuda(const c10::intrusive_ptr<CrossbarWork>&, void*) {}
 void CrossbarBackend::cudaLoop() {}
+std::string CrossbarBackend::cudaP2pPath() const { return ""; }
+void CrossbarBackend::stagedSend(CrossbarWork&, const at::Tensor&, int, uint32_t, void*) {}
+void CrossbarBackend::stagedRecv(CrossbarWork&, const at::Tensor&, int, uint32_t, std::function<void()>) {}
+void CrossbarBackend::launchStaged(const c10::intrusive_ptr<CrossbarWork>&, void*) {}
+bool CrossbarBackend::groupSharesAGpu(int) { return false; }
 
 #endif
 
@@ -1732,6 +1958,10 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::send(std::vector<at::Tensor>& te
         if (ops.onCuda()) {
           Moved m = movedType(src);
           if (P2pAnnouncer::announces(tag)) w.requests.push_back(announcer_->announceSend(dst, tag, src.nbytes()));
+          if (ops.staged) {
+            stagedSend(w, src, dst, static_cast<uint32_t>(tag), ops.stream);
+            return;
+          }
           w.coll = ops.send(src.data_ptr(), elems(src) * m.scale, m.type, dst, static_cast<uint32_t>(tag),
                             CollOptions{Millis(timeout_ms_.load()), "", 1.0});
           return;
@@ -1762,6 +1992,10 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::recvFrom(std::vector<at::Tensor>
           w.keepalive = {dst};
           if (!announced && P2pAnnouncer::announces(tag))
             w.requests.push_back(announcer_->expectFrom(src, tag, dst.nbytes()));
+          if (ops.staged) {
+            stagedRecv(w, dst, src, static_cast<uint32_t>(tag), sequence(std::move(post)));
+            return;
+          }
           w.coll = ops.recv(dst.data_ptr(), elems(dst) * m.scale, m.type, src, static_cast<uint32_t>(tag),
                             CollOptions{Millis(timeout_ms_.load()), "", 1.0});
           w.post = sequence(std::move(post));
@@ -1863,7 +2097,12 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::endCoalescing() {
         rank_, c10d::OpType::COALESCED, nullptr, std::vector<at::Tensor>{}, Millis(timeout_ms_.load()),
         std::vector<c10::Device>{c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(cuda_device_))});
     block->coll = cuda_group;
-    for (auto& c : w->children) enqueuedOnCuda(c, stream);
+    for (auto& c : w->children) {
+      if (c->staged)
+        launchStaged(c, stream);
+      else
+        enqueuedOnCuda(c, stream);
+    }
     enqueuedOnCuda(block, stream);
     return block;
   }

@@ -121,6 +121,20 @@ class CrossbarWork : public c10d::Work {
   int cuda_device = -1;
   bool isCuda() const { return cuda_end != nullptr || cuda_device >= 0; }
 
+  // CUDA point to point through host memory (CrossbarBackend::stagedSend/stagedRecv):
+  // driven by the point-to-point thread like host works. `start` posts the host send
+  // once the device-to-host copy (`start_after`, a cudaEvent_t) passed; `enqueue` puts
+  // the receive's stream part (wait for the data, host-to-device copy) on the stream at
+  // launch; `on_finish` runs at completion, success or not (releases that stream wait).
+  bool staged = false;
+  std::shared_ptr<void> start_after;
+  std::function<RequestPtr()> start;
+  std::function<void()> enqueue;
+  std::function<void()> on_finish;
+  // Posts the staged send once its copy passed: true when nothing is left to start
+  // (*err: the failure to post it).
+  bool startIfReady(std::exception_ptr* err);
+
  private:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
@@ -226,8 +240,12 @@ class CrossbarBackend : public c10d::Backend {
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   void setTimeout(std::chrono::milliseconds timeout);
+  // The default group: aborts its communicator (every group over it ends). A split
+  // (new_group, split_group): only this group's pending work fails; the others go on.
   void abort();
   void shutdown();
+  // How CUDA point to point runs: "" (no CUDA call yet), "nccl" or "host-staged".
+  std::string cudaP2pPath() const;
 #if CROSSBAR_TORCH_AT_LEAST(2, 6)
   c10d::ErrorType getError();
 #endif
@@ -240,13 +258,19 @@ class CrossbarBackend : public c10d::Backend {
                                         Millis timeout, const at::Tensor& on,
                                         const std::function<void(CrossbarWork&, Ops&)>& issue, bool p2p = false);
   c10::intrusive_ptr<c10d::Work> recvFrom(std::vector<at::Tensor>& tensors, int src, int tag, bool announced);
+  // CUDA tensors when NCCL cannot serve this group (cuda_p2p_staged_): pinned host copies
+  // on the current stream around the host send/recv (see backend.cc).
+  void stagedSend(CrossbarWork& w, const at::Tensor& src, int dst, uint32_t tag, void* stream);
+  void stagedRecv(CrossbarWork& w, const at::Tensor& dst, int src, uint32_t tag, std::function<void()> stream_post);
+  void launchStaged(const c10::intrusive_ptr<CrossbarWork>& work, void* stream);
+  bool groupSharesAGpu(int device);
   Millis timeoutOf(std::chrono::milliseconds requested) const;
   void ensureUsable(const char* op) const;
   void startThreads();
   CudaCollectives& ensureCuda(int device, const char* op);
   c10::intrusive_ptr<c10d::Work> submitCuda(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
                                             Millis timeout, const at::Tensor& on,
-                                            const std::function<void(CrossbarWork&, Ops&)>& issue);
+                                            const std::function<void(CrossbarWork&, Ops&)>& issue, bool p2p);
   void enqueuedOnCuda(const c10::intrusive_ptr<CrossbarWork>& work, void* stream);
   void cudaLoop();
   void completionLoop();
@@ -275,6 +299,10 @@ class CrossbarBackend : public c10d::Backend {
   std::thread cuda_thread_;
   std::unique_ptr<P2pAnnouncer> announcer_;  // CUDA sends' announcements (any-source receives)
   bool cuda_group_open_ = false;  // a CudaCollectives group is open for the coalescing block
+  // Two ranks of this group share a GPU, which NCCL refuses ("Duplicate GPU detected"):
+  // CUDA point to point stages through host memory instead (decided at the first CUDA
+  // call, alike on every rank).
+  bool cuda_p2p_staged_ = false;
   std::atomic<bool> p2p_new_{false};
 
   // Coalescing (batch_isend_irecv, _coalescing_manager).
@@ -283,11 +311,12 @@ class CrossbarBackend : public c10d::Backend {
   int coalesced_kind_ = 0;  // 0: nothing yet, 1: CPU tensors, 2: CUDA tensors (not mixed)
 
   std::exception_ptr first_error_;  // for getError()
-  // Timed-out point-to-point works whose buffers a transport may still write into.
+  // Failed (timed out, aborted) point-to-point works whose buffers a transport may still
+  // use; handed to a process-wide list at shutdown, released when the transport lets go.
   std::vector<c10::intrusive_ptr<CrossbarWork>> orphans_;
   bool shut_down_ = false;
-  // Over a split: the transports are shared with the parent and its other splits, so
-  // abort() aborts them only when it must (work pending), see abort().
+  // Over a split: the transports are shared with the parent and its other splits;
+  // abort() ends this group only (Communicator::abort of a split), see abort().
   bool shares_transports_ = false;
   std::atomic<size_t> p2p_active_{0};  // point-to-point works the p2p thread holds
   mutable std::mutex shrink_mu_;

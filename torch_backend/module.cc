@@ -110,6 +110,9 @@ PYBIND11_MODULE(_C, m) {
           "ranks; the position is the new rank), sharing this group's transports; None where this rank is "
           "not in `ranks`.")
       .def("describe", [](const CrossbarBackend& b) { return b.communicator().describe(); })
+      .def("_cuda_p2p_path", &CrossbarBackend::cudaP2pPath,
+           "How CUDA point to point runs on this group: '' (no CUDA call yet), 'nccl', or 'host-staged' "
+           "(two ranks share a GPU, which NCCL refuses)")
       .def("abort", &CrossbarBackend::abort, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &CrossbarBackend::shutdown, py::call_guard<py::gil_scoped_release>())
       .def("set_timeout", &CrossbarBackend::setTimeout);

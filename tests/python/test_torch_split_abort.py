@@ -1,0 +1,81 @@
+"""abort() of one group that shares the default group's transports (members-only new_group,
+split_group) ends that group's pending work only: the default group and the other groups
+keep working. Aborting the default group still ends every group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group
+
+from dist_utils import run_ranks
+
+
+def _all_reduce_check(group, members, salt):
+    t = torch.full((5,), float(dist.get_rank() + salt))
+    dist.all_reduce(t, group=group)
+    expected = float(sum(m + salt for m in members))
+    assert torch.equal(t, torch.full((5,), expected)), (members, t)
+
+
+def _abort_one_split(rank, world):
+    import crossbar
+
+    local = dict(use_local_synchronization=True)
+    a = dist.new_group([0, 1], **local) if rank < 2 else None
+    b = dist.new_group([2, 3], **local) if rank >= 2 else None
+    s = dist.split_group(split_ranks=[[0, 2], [1, 3]])
+    _all_reduce_check(None, range(world), 0)
+    if a is not None:
+        me = dist.get_rank(a)
+        # Pending on A: a receive nobody sends (the same tag the default group uses below),
+        # and on rank 0 a collective rank 1 never joins.
+        r = torch.full((3,), -1.0)
+        recv = dist.irecv(r, group_src=1 - me, group=a, tag=3)
+        coll = dist.all_reduce(torch.ones(4), group=a, async_op=True) if rank == 0 else None
+        assert not recv.is_completed()
+        _abort_process_group(a)  # pg.abort(): crossbar's backend abort of this group only
+        with pytest.raises(crossbar.Aborted, match="abort"):
+            recv.wait()
+        if coll is not None:
+            with pytest.raises(crossbar.Aborted, match="abort"):
+                coll.wait()
+        assert torch.equal(r, torch.full((3,), -1.0))
+    # The default group, the sibling and the split_group groups still work.
+    _all_reduce_check(None, range(world), 10)
+    if b is not None:
+        _all_reduce_check(b, [2, 3], 20)
+    _all_reduce_check(s, [0, 2] if rank % 2 == 0 else [1, 3], 30)
+    # Point to point on the default group with the aborted receive's tag.
+    got = torch.zeros(3)
+    if rank == 1:
+        dist.send(torch.full((3,), 7.0), dst=0, tag=3)
+    elif rank == 0:
+        dist.recv(got, src=1, tag=3)
+        assert torch.equal(got, torch.full((3,), 7.0))
+    # New groups after the abort work too, also over the same ranks as the aborted one.
+    if rank < 2:
+        again = dist.new_group([0, 1], **local)
+        _all_reduce_check(again, [0, 1], 40)
+    dist.barrier()
+
+
+def test_abort_of_a_split_leaves_the_others_working():
+    run_ranks(_abort_one_split, 4)
+
+
+def _abort_world(rank, world):
+    import crossbar
+
+    a = dist.new_group([0, 1], use_local_synchronization=True)
+    _all_reduce_check(a, [0, 1], 0)
+    r = torch.zeros(1)
+    recv = dist.irecv(r, group_src=1 - rank, group=a, tag=3)
+    dist.group.WORLD.abort()  # the default group: its communicator's context ends
+    with pytest.raises(crossbar.Aborted):
+        recv.wait()
+    with pytest.raises(crossbar.Aborted):  # the split's communicator is aborted with its context
+        dist.isend(torch.ones(1), group_dst=1 - rank, group=a, tag=4).wait()
+
+
+def test_abort_of_the_default_group_ends_every_group():
+    run_ranks(_abort_world, 2)
