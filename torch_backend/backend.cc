@@ -1193,6 +1193,12 @@ at::Tensor pinnedBytes(int64_t n) {
 at::Tensor bytesOf(const at::Tensor& t) {
   return t.reshape({-1}).view(at::kByte);
 }
+
+// cudaLaunchHostFunc callback (no CUDA calls allowed): until the release word is set.
+void CUDART_CB waitForRelease(void* word) {
+  auto* release = static_cast<uint32_t*>(word);
+  while (__atomic_load_n(release, __ATOMIC_ACQUIRE) == 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
 }  // namespace
 
 bool CrossbarBackend::groupSharesAGpu(int device) {
@@ -1236,9 +1242,12 @@ void CrossbarBackend::stagedRecv(CrossbarWork& w, const at::Tensor& dst, int src
   at::Tensor block = pinnedBytes(kReleaseBytes + n);
   auto* release = static_cast<uint32_t*>(block.data_ptr());
   __atomic_store_n(release, 0u, __ATOMIC_RELAXED);
+  // Pinned memory is mapped for the device; with unified addressing at the same address.
   void* release_on_device = nullptr;
-  checkCuda(cudaHostGetDevicePointer(&release_on_device, release, 0), rank_,
-            "cudaHostGetDevicePointer (pinned staging of a CUDA receive)");
+  if (cudaHostGetDevicePointer(&release_on_device, release, 0) != cudaSuccess) {
+    cudaGetLastError();
+    release_on_device = release;
+  }
   at::Tensor host = block.narrow(0, kReleaseBytes, n);
   auto req = comm_->irecv(n ? host.data_ptr() : nullptr, static_cast<size_t>(n), src, tag);
   w.staged = true;
@@ -1253,10 +1262,22 @@ void CrossbarBackend::stagedRecv(CrossbarWork& w, const at::Tensor& dst, int src
   w.on_finish = [release] { __atomic_store_n(release, 1u, __ATOMIC_RELEASE); };
   const int device = cuda_device_;
   const int rank = rank_;
-  w.enqueue = [work = &w, release_on_device, block, host, dst, stream_post = std::move(stream_post), n, device, rank] {
+  w.enqueue = [work = &w, release_on_device, release_on_host = release, block, host, dst,
+               stream_post = std::move(stream_post), n, device, rank] {
     cudaStream_t s = currentStream(device);
-    crossbar::cuda::streamWaitValue32(s, static_cast<const uint32_t*>(release_on_device), 1u,
-                                      crossbar::cuda::WaitCond::kEq);
+    try {
+      crossbar::cuda::streamWaitValue32(s, static_cast<const uint32_t*>(release_on_device), 1u,
+                                        crossbar::cuda::WaitCond::kEq);
+    } catch (const Error& e) {
+      // No stream memory operations on this device or memory: a host function on the
+      // stream waits for the release instead (it always comes: at the receive's end or
+      // deadline).
+      static std::once_flag logged;
+      std::call_once(logged, [&] {
+        CB_WARN("torch", "staged CUDA receive: the stream waits through a host function ({})", e.what());
+      });
+      checkCuda(cudaLaunchHostFunc(s, waitForRelease, release_on_host), rank, "cudaLaunchHostFunc");
+    }
     if (n) {
       bytesOf(dst).copy_(host, /*non_blocking=*/true);
     } else {  // nothing to copy: a 4-byte one still ties the block's reuse to this stream
