@@ -1060,9 +1060,10 @@ CudaCollectives& CrossbarBackend::ensureCuda(int device, const char* op) {
   CudaCollectivesOptions co;
   co.device = device;
   co.timeout = Millis(timeout_ms_.load());
+  const bool shares_a_gpu = groupSharesAGpu(device);  // first: nothing is set up when it fails
   cuda_ = std::make_shared<CudaCollectives>(comm_, co);
   cuda_device_ = device;
-  cuda_p2p_staged_ = groupSharesAGpu(device);
+  cuda_p2p_staged_ = shares_a_gpu;
   announcer_ = std::make_unique<P2pAnnouncer>(comm_);
   cuda_thread_ = std::thread([this] { cudaLoop(); });
   return *cuda_;
