@@ -700,8 +700,10 @@ WorkPtr Collectives::Impl::submit(CollArgs a, const CollOptions& o) {
       w->enqueued = Clock::now();
       // Published and the only call pending: the peers finish it without this rank, and
       // this rank's next call, test() or wait() finishes it here (no wake-up on this
-      // core). Anything else the peers may need from this rank is the worker's.
-      if (!(w->eager_published && q->items.size() == 1)) q->wakeWorker();
+      // core). Anything else the peers may need from this rank is the worker's. (While
+      // queued nobody executes it, so its eager_published is not being written.)
+      const bool only_mine = q->items.size() == 1 && q->items.front() == w;
+      if (!(only_mine && w->eager_published)) q->wakeWorker();
     }
   }
   return w;
