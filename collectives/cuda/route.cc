@@ -64,8 +64,10 @@ bool driverLoaded() {
 
 }  // namespace
 
-MemoryKind pointerMemoryKind(const void* ptr) {
-  if (!ptr || !driverLoaded()) return MemoryKind::kHost;
+namespace {
+// The driver is loaded (driverLoaded()).
+MemoryKind askDriver(const void* ptr) {
+  if (!ptr) return MemoryKind::kHost;
   cudaPointerAttributes at{};
   if (cudaPointerGetAttributes(&at, ptr) != cudaSuccess) {
     cudaGetLastError();  // unregistered host memory on old runtimes
@@ -73,11 +75,17 @@ MemoryKind pointerMemoryKind(const void* ptr) {
   }
   return at.type == cudaMemoryTypeDevice ? MemoryKind::kCuda : MemoryKind::kHost;
 }
+}  // namespace
+
+MemoryKind pointerMemoryKind(const void* ptr) {
+  return ptr && driverLoaded() ? askDriver(ptr) : MemoryKind::kHost;
+}
 
 WorkPtr routeToCuda(std::shared_ptr<CudaRoute>& state, const std::shared_ptr<Communicator>& comm,
                     const CollArgs& a, const CollOptions& o, bool in_group) {
-  const bool device =
-      pointerMemoryKind(a.send) == MemoryKind::kCuda || pointerMemoryKind(a.recv) == MemoryKind::kCuda;
+  // One driver check per call (each costs a loader-lock round trip while CUDA is absent).
+  const bool device = driverLoaded() && (askDriver(a.send) == MemoryKind::kCuda ||
+                                         askDriver(a.recv) == MemoryKind::kCuda);
   if (!device && !o.cuda_stream) return nullptr;
   const char* name = collTypeName(a.coll);
   if (!cuda::driverAvailable())
@@ -128,30 +136,42 @@ class CudaRoute {};
 // A process holding device memory has loaded libcuda (e.g. torch built with CUDA): ask
 // the driver directly, without CUDA headers, so such pointers get a clear error instead
 // of a crash in the host algorithms.
-MemoryKind pointerMemoryKind(const void* ptr) {
-  using GetAttribute = int (*)(void* data, int attribute, unsigned long long ptr);
+namespace {
+using GetAttribute = int (*)(void* data, int attribute, unsigned long long ptr);
+
+// libcuda's cuPointerGetAttribute once this process has loaded the driver, else null.
+GetAttribute attributeQuery() {
+  static std::atomic<GetAttribute> get{nullptr};
+  GetAttribute f = get.load(std::memory_order_acquire);
+  if (f) return f;
+  void* h = loadedLibcuda();  // kept open: f stays valid
+  if (!h) return nullptr;
+  f = reinterpret_cast<GetAttribute>(dlsym(h, "cuPointerGetAttribute"));
+  if (f) get.store(f, std::memory_order_release);
+  return f;
+}
+
+MemoryKind askDriver(GetAttribute f, const void* ptr) {
   constexpr int kMemoryTypeAttribute = 2;  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
   constexpr unsigned kDeviceMemory = 2;    // CU_MEMORYTYPE_DEVICE
-  static std::atomic<GetAttribute> get{nullptr};
   if (!ptr) return MemoryKind::kHost;
-  GetAttribute f = get.load(std::memory_order_acquire);
-  if (!f) {
-    void* h = loadedLibcuda();  // kept open: f stays valid
-    if (!h) return MemoryKind::kHost;
-    f = reinterpret_cast<GetAttribute>(dlsym(h, "cuPointerGetAttribute"));
-    if (!f) return MemoryKind::kHost;
-    get.store(f, std::memory_order_release);
-  }
   unsigned type = 0;
   if (f(&type, kMemoryTypeAttribute, reinterpret_cast<unsigned long long>(ptr)) != 0)
     return MemoryKind::kHost;
   return type == kDeviceMemory ? MemoryKind::kCuda : MemoryKind::kHost;
 }
+}  // namespace
+
+MemoryKind pointerMemoryKind(const void* ptr) {
+  GetAttribute f = ptr ? attributeQuery() : nullptr;
+  return f ? askDriver(f, ptr) : MemoryKind::kHost;
+}
 
 WorkPtr routeToCuda(std::shared_ptr<CudaRoute>&, const std::shared_ptr<Communicator>& comm, const CollArgs& a,
                     const CollOptions& o, bool) {
+  GetAttribute f = attributeQuery();  // one driver check per call
   const bool device =
-      pointerMemoryKind(a.send) == MemoryKind::kCuda || pointerMemoryKind(a.recv) == MemoryKind::kCuda;
+      f && (askDriver(f, a.send) == MemoryKind::kCuda || askDriver(f, a.recv) == MemoryKind::kCuda);
   if (!o.cuda_stream && !device) return nullptr;
   throw Unsupported(errorContext(comm->rank(), collTypeName(a.coll)) +
                     (device ? "a buffer is CUDA device memory" : "CollOptions.cuda_stream is set") +
