@@ -466,7 +466,7 @@ Selection selectAlgorithm(const CollArgs& args, const Communicator& comm, const 
 
   const size_t bytes = args.selectionBytes(comm.size());
   const int n = comm.size();
-  // 1 or "several" (numNodes() collects and sorts every rank's node on each call).
+  // The table only tells 1 node from several.
   const int nodes = comm.localSize() == comm.size() ? 1 : 2;
   const std::vector<SelectionRule>& table = selectionTable();
   for (size_t i = 0; i < table.size(); ++i) {
