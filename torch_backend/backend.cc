@@ -893,11 +893,21 @@ void CrossbarBackend::p2pLoop() {
       if (!w->startIfReady(&err) && !w->deadline.expired()) return false;
       if (err || w->underlyingDone(&err)) {
         w->complete(err);
-        if (err) {  // for getError(), like the collectives' failures
+        // A staged CUDA receive naming its sender: a size or order mismatch its
+        // announcement showed (as cudaLoop reports them for NCCL receives).
+        std::exception_ptr mismatch = w->staged && announcer_ ? announcer_->poll() : nullptr;
+        if (mismatch) {
+          try {
+            std::rethrow_exception(mismatch);
+          } catch (const std::exception& e) {
+            CB_WARN("torch", "{}", e.what());
+          }
+        }
+        if (err || mismatch) {  // for getError(), like the collectives' failures
           std::lock_guard<std::mutex> lk(m_);
-          if (!first_error_) first_error_ = err;
+          if (!first_error_) first_error_ = err ? err : mismatch;
           // Failed (e.g. its group was aborted) while the transport still holds it.
-          if (transportStillHolds(*w)) orphans_.push_back(w);
+          if (err && transportStillHolds(*w)) orphans_.push_back(w);
         }
         return true;
       }
