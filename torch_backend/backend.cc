@@ -765,26 +765,28 @@ void CrossbarBackend::abort() {
   // The default group's communicator aborts the context: every group over it ends. A
   // split's (new_group, split_group) aborts only itself (and splits made from it): its
   // pending operations fail, the transports stay with the default group and the others.
-  comm_->abort(shares_transports_ ? fmt::format("torch.distributed abort of group {}", comm_->name())
-                                  : std::string("torch.distributed abort"));
   if (!shares_transports_) {
+    comm_->abort("torch.distributed abort");
     shutdown();
     return;
   }
-  // Works not started or still waiting fail now, not when the threads get to them.
-  std::vector<c10::intrusive_ptr<CrossbarWork>> colls;
+  // Works not started or still waiting fail now (crossbar.Aborted), not when the threads
+  // get to them (then with whatever error the abort caused underneath).
+  std::vector<c10::intrusive_ptr<CrossbarWork>> colls, p2ps;
   {
     std::lock_guard<std::mutex> lk(m_);
     colls.assign(coll_pending_.begin(), coll_pending_.end());
     coll_pending_.clear();  // the completion thread lets go of them
-    for (auto& w : p2p_incoming_) w->abort();
+    p2ps.assign(p2p_incoming_.begin(), p2p_incoming_.end());
   }
+  for (auto& w : p2ps) w->abort();  // (outside the lock: futures run their callbacks)
   bool busy = false;
   for (auto& w : colls) {
     std::exception_ptr ignored;
     busy = busy || !w->underlyingDone(&ignored);
     w->abort();
   }
+  comm_->abort(fmt::format("torch.distributed abort of group {}", comm_->name()));
   stopThreads();
   if (busy) {
     // A collective of this group is still running: some of its waits (the symmetric
