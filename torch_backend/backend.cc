@@ -504,8 +504,10 @@ void CrossbarWork::complete(std::exception_ptr err) {
 
 bool CrossbarWork::isCompleted() {
   {
+    // (A staged receive finishes on the host before its copy to the device ran: the
+    // stream's event below decides.)
     std::lock_guard<std::mutex> lk(mutex_);
-    if (completed_) return true;
+    if (completed_ && !staged) return true;
   }
 #if CROSSBAR_TORCH_CUDA
   if (isCuda()) {  // done when the GPU passed the end event (NCCL's semantics)
