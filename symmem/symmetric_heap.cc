@@ -156,6 +156,9 @@ struct HeapImpl {
   std::vector<std::string> no_route;         // by rank: why an off-node peer is unreachable ("" if fine)
   std::shared_ptr<ucx::UcxContext> any_ucx;  // the (shared) context, if any
   std::weak_ptr<Context> context;            // to notice abort/revoke while waiting
+  // The communicator the heap was made on: a split's own abort (its context's covers the
+  // others) also releases the waits. Weak: buffers may outlive the communicator.
+  std::weak_ptr<const Communicator> comm;
   std::shared_ptr<Store> store;
   std::shared_ptr<SegmentAllocator> allocator;
   std::mutex mutex;  // allocation order
@@ -179,6 +182,12 @@ struct HeapImpl {
   void throwIfAborted(std::string_view op, std::string_view waiting) const {
     auto c = context.lock();
     if (c) c->throwIfAborted(ctx(op) + fmt::format("the communicator was aborted while this rank waited for {}: ", waiting));
+    throwIfSplitAborted(op, waiting);
+  }
+  void throwIfSplitAborted(std::string_view op, std::string_view waiting) const {
+    if (auto cm = comm.lock(); cm && cm->aborted())
+      throw Aborted(ctx(op) + fmt::format("the communicator ({}) was aborted while this rank waited for {}",
+                                          cm->name(), waiting));
   }
 
   // Runs a blocking rendezvous step in slices of at most kSleepSlice, so an abort or
@@ -236,6 +245,7 @@ SymmetricHeap SymmetricHeap::create(std::shared_ptr<Communicator> comm, HeapOpti
       options.allocator ? options.allocator : std::shared_ptr<SegmentAllocator>(makeHostSegmentAllocator());
   h->store = comm->storePtr();
   h->context = comm->contextHandle();
+  h->comm = comm;
   for (int r = 0; r < h->size; ++r) {
     h->node_of.push_back(comm->nodeOf(r));
     h->hosts.push_back(comm->host(r));
@@ -668,6 +678,7 @@ void SymmetricBuffer::waitSlot(int peer, size_t slot_index, uint64_t value, int 
                                                    "for {}'s signal on {}",
                                                    c->abortReason(), heap_->peerText(peer), describeChannel(channel)));
       }
+      heap_->throwIfSplitAborted(op, fmt::format("{}'s signal on {}", heap_->peerText(peer), describeChannel(channel)));
       if (local && heap_->conns[peer].valid() && heap_->conns[peer].peerClosed() && !reached())
         throw PeerFailure(heap_->ctx(op) + fmt::format("{} exited or crashed while this rank waited for its "
                                                        "signal on {} of buffer #{}",

@@ -51,5 +51,36 @@ TEST(SymmHeapAbort, AbortEndsCreateRendezvous) {
   });
 }
 
+// A heap made on a split: the split's own abort (not its context's) releases a rank
+// waiting for a peer's signal that never comes, and the parent keeps working.
+TEST(SymmHeapAbort, AbortOfASplitEndsItsSignalWaits) {
+  const Millis timeout{60'000};
+  runRanks(2, [&](RankEnv& env) {
+    CommOptions co;
+    co.timeout = timeout;
+    auto parent = env.communicator(co);
+    auto split = parent->dup();
+    auto heap = SymmetricHeap::create(split);
+    auto buf = heap.allocate(4096);
+    if (env.rank == 0) {  // waits for rank 1's signal; a watchdog aborts the split
+      std::thread watchdog([&] {
+        std::this_thread::sleep_for(Millis(300));
+        split->abort("test: the group is abandoned");
+      });
+      const auto t0 = Clock::now();
+      try {
+        buf->waitSignal(1, 0, Deadline::after(timeout));
+        ADD_FAILURE() << "waitSignal returned without rank 1's signal";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kAborted) << e.what();
+      }
+      EXPECT_LT(Clock::now() - t0, Millis(20'000));
+      watchdog.join();
+      EXPECT_FALSE(parent->aborted());
+    }
+    parent->barrier();  // the parent's transports still work
+  });
+}
+
 }  // namespace
 }  // namespace crossbar::symm
