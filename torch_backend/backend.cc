@@ -791,8 +791,8 @@ void CrossbarBackend::abort() {
   comm_->abort(fmt::format("torch.distributed abort of group {}", comm_->name()));
   stopThreads();
   if (busy) {
-    // A collective of this group is still running: some of its waits (the symmetric
-    // memory's) end at an abort of the whole context or at their deadline only. It
+    // A collective of this group is still running: its waits see the abort within a
+    // slice (the symmetric memory's check the heap's communicator every 100 ms) and it
     // fails then; meanwhile it may still use the works' buffers, so they and the
     // Collectives end together on a thread of their own, not here.
     CB_INFO("torch", "abort of {}: a collective still runs until its deadline; released in the background",
