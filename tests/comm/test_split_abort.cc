@@ -9,28 +9,17 @@
 #include "comm/communicator.h"
 #include "comm/errors.h"
 #include "harness/multiprocess.h"
+#include "ring_check.h"
 
 using namespace crossbar;
 using crossbar::testing::RankEnv;
 using crossbar::testing::RunOptions;
+using crossbar::testing::ring;
 using crossbar::testing::runRanks;
 
 namespace {
 
 constexpr uint32_t kTag = 7;
-
-// Ring exchange on `c` (tag kTag), checking that each rank got its predecessor's
-// [salt, world rank].
-void ring(Communicator& c, int salt) {
-  if (c.size() == 1) return;
-  const int n = c.size(), next = (c.rank() + 1) % n, prev = (c.rank() + n - 1) % n;
-  int out[2] = {salt, c.worldRank(c.rank())}, in[2] = {-1, -1};
-  auto r = c.irecv(in, sizeof in, prev, kTag);
-  auto s = c.isend(out, sizeof out, next, kTag);
-  c.waitAll({r, s}, c.defaultDeadline());
-  EXPECT_EQ(in[0], salt) << c.describe();
-  EXPECT_EQ(in[1], c.worldRank(prev)) << c.describe();
-}
 
 // A rendezvous-sized ring (above the eager limits), checking every element.
 void bigRing(Communicator& c, int salt) {

@@ -10,28 +10,15 @@
 #include "comm/context.h"
 #include "comm/errors.h"
 #include "harness/multiprocess.h"
+#include "ring_check.h"
 
 using namespace crossbar;
 using crossbar::testing::RankEnv;
 using crossbar::testing::RunOptions;
+using crossbar::testing::ring;
 using crossbar::testing::runRanks;
 
 namespace {
-
-constexpr uint32_t kTag = 7;
-
-// Ring exchange on `c` with tag kTag: each rank sends [salt, its world rank] to the next
-// and checks what the previous one sent.
-void ring(Communicator& c, int salt) {
-  if (c.size() == 1) return;
-  const int n = c.size(), next = (c.rank() + 1) % n, prev = (c.rank() + n - 1) % n;
-  int out[2] = {salt, c.worldRank(c.rank())}, in[2] = {-1, -1};
-  auto r = c.irecv(in, sizeof in, prev, kTag);
-  auto s = c.isend(out, sizeof out, next, kTag);
-  c.waitAll({r, s}, c.defaultDeadline());
-  EXPECT_EQ(in[0], salt) << c.describe() << ": message of another communicator";
-  EXPECT_EQ(in[1], c.worldRank(prev)) << c.describe();
-}
 
 void expectMembers(const Communicator& c, const std::vector<int>& world_ranks, int world_rank) {
   ASSERT_EQ(c.size(), static_cast<int>(world_ranks.size())) << c.describe();
