@@ -13,9 +13,11 @@ namespace crossbar {
 AnySourceMatcher::AnySourceMatcher(int rank, ProgressEngine& engine, std::vector<Transport*> transports)
     : rank_(rank), engine_(engine), transports_(std::move(transports)) {
   hook_id_ = engine_.addHook([this] { return progress(); });
+  cancel_gate_->withdraw = [this](Request& r, std::exception_ptr e) { return withdraw(r, std::move(e)); };
 }
 
 AnySourceMatcher::~AnySourceMatcher() {
+  cancel_gate_->close();  // first: a cancel() running now holds the gate, then our mutex
   engine_.removeHook(hook_id_);
   abort(std::make_exception_ptr(Aborted(errorContext(rank_, "recv from any rank") +
                                         "the communicator was destroyed while this receive was pending")));
@@ -24,6 +26,7 @@ AnySourceMatcher::~AnySourceMatcher() {
 RequestPtr AnySourceMatcher::post(uint64_t tag, uint32_t user_tag, void* data, size_t capacity,
                                   std::vector<int> members, std::string what) {
   auto outer = std::make_shared<Request>(&engine_, std::move(what));
+  outer->setCancelGate(cancel_gate_);
   std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) {
     outer->fail(aborted_);
@@ -110,6 +113,19 @@ bool AnySourceMatcher::progress() {
   waiting_ = std::move(still_waiting);
   busy_.store(!waiting_.empty() || !matched_.empty(), std::memory_order_release);
   return moved;
+}
+
+// Nothing is posted to a transport while a receive waits here, so withdrawing it is
+// taking it off the queue. A matched one has its message (taken from a transport's
+// unexpected queue, maybe still arriving): it completes with it.
+bool AnySourceMatcher::withdraw(Request& outer, std::exception_ptr error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = std::find_if(waiting_.begin(), waiting_.end(), [&](const Pending& p) { return p.outer.get() == &outer; });
+  if (it == waiting_.end()) return false;
+  waiting_.erase(it);
+  busy_.store(!waiting_.empty() || !matched_.empty(), std::memory_order_release);
+  outer.fail(error ? std::move(error) : outer.cancelledError(rank_, -1));
+  return true;
 }
 
 void AnySourceMatcher::abort(std::exception_ptr error) {

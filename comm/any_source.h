@@ -9,7 +9,9 @@
 // a message that arrives while both are posted.
 //
 // The request handed to the caller completes when the transport's receive does, with
-// status().source the sender's rank in the receiving communicator.
+// status().source the sender's rank in the receiving communicator. Request::cancel
+// withdraws it while it waits (no message taken yet); once a message was taken, it
+// completes with that message.
 #pragma once
 
 #include <atomic>
@@ -57,6 +59,7 @@ class AnySourceMatcher {
     std::vector<int> members;
   };
   bool progress();  // the engine hook
+  bool withdraw(Request& outer, std::exception_ptr error);  // Request::cancel
   bool tryMatch(Pending& p);
   bool forward(Pending& p);  // true once `outer` is finished
   int commRank(const Pending& p, int world_rank) const;
@@ -71,6 +74,7 @@ class AnySourceMatcher {
   std::atomic<bool> busy_{false};  // waiting_ or matched_ non-empty (cheap idle check)
   size_t next_transport_ = 0;      // round robin: no transport starves the others
   std::exception_ptr aborted_;
+  std::shared_ptr<CancelGate> cancel_gate_ = std::make_shared<CancelGate>();
 };
 
 }  // namespace crossbar

@@ -166,7 +166,29 @@ constexpr uint32_t kBarrierTag = kInternalTagBase + 1;
 constexpr uint32_t kMaxCommId = 0xFFFF;
 }  // namespace
 
-// A split shares the context's transports, so its abort cannot stop them: it fails the
+namespace {
+// The abort's `error` as one request's failure: same type and peers, the message naming
+// the request (its peer and tag) and whether it was withdrawn.
+std::exception_ptr abortErrorFor(const std::exception_ptr& error, const Request& r, bool withdrawn) {
+  const std::string note =
+      withdrawn ? fmt::format(" [{}: withdrawn, the next message with its tag goes to the next matching receive]",
+                              r.what())
+                : fmt::format(" [{}]", r.what());
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error& e) {
+    if (e.code() == ErrorCode::kPeerFailure) return std::make_exception_ptr(PeerFailure(e.what() + note, e.peers()));
+    if (e.code() == ErrorCode::kTimeout) return std::make_exception_ptr(Timeout(e.what() + note, e.peers()));
+    return std::make_exception_ptr(Aborted(e.what() + note, e.peers()));
+  } catch (const std::exception& e) {
+    return std::make_exception_ptr(Aborted(e.what() + note));
+  }
+}
+}  // namespace
+
+// A split shares the context's transports, so its abort cannot stop them: it withdraws
+// the receives it posted that no message matched yet (Request::cancel: their buffers are
+// free, later messages with their tags are not taken by them), fails the rest of the
 // requests it issued (tracked here while pending) and refuses new ones. Splits made from
 // it are aborted with it (their state hangs off this one).
 struct Communicator::SplitAbort {
@@ -198,7 +220,7 @@ struct Communicator::SplitAbort {
     std::unique_lock<std::mutex> lock(mutex);
     if (aborted.load()) {  // issued while the abort ran
       lock.unlock();
-      r->fail(error);
+      if (!r->cancel(abortErrorFor(error, *r, true)) && !r->done()) r->fail(abortErrorFor(error, *r, false));
       return;
     }
     pending.push_back(r);
@@ -223,8 +245,12 @@ struct Communicator::SplitAbort {
       to_fail.swap(pending);
       kids.swap(children);
     }
-    for (auto& w : to_fail)
-      if (auto r = w.lock()) r->fail(err);
+    for (auto& w : to_fail) {
+      auto r = w.lock();
+      if (!r) continue;
+      // (Also a finished one: it failed some other way, e.g. a timeout, but may be posted still.)
+      if (!r->cancel(abortErrorFor(err, *r, true)) && !r->done()) r->fail(abortErrorFor(err, *r, false));
+    }
     for (auto& w : kids)
       if (auto k = w.lock()) k->abort(why, err);
   }

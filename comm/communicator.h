@@ -86,9 +86,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // On the communicator create() made, this aborts the context: its transports and every
   // communicator split from it. On a split (split/dup/splitMembers) only this
   // communicator and the splits made from it: their pending and later operations fail,
-  // the shared transports and the other communicators stay usable. A transport may
-  // still write into (or read from) the buffer of a receive (send) failed that way
-  // until its message arrives or the context ends: keep such buffers alive that long.
+  // the shared transports and the other communicators stay usable. Receives no message
+  // matched yet are withdrawn (Request::cancel: their buffers are free at once, and a
+  // later message with their tag is left for the next matching receive); a send, or a
+  // receive whose message was already arriving, may still read (write) its buffer until
+  // it finishes: keep such buffers alive while the transport holds the request.
   void abort(const std::string& reason = "abort() called");
   // Same, but pending and later operations fail with `error` (e.g. PeerFailure naming
   // the failed ranks) instead of Aborted.

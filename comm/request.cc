@@ -8,7 +8,11 @@
 
 namespace crossbar {
 
+// complete() and fail() may race (a transport finishing a receive on the progress
+// thread, an abort failing it on another): the first to leave kPending decides.
 void Request::complete(int source, uint64_t tag, size_t bytes) {
+  State pending = State::kPending;
+  if (!state_.compare_exchange_strong(pending, State::kFinishing, std::memory_order_acquire)) return;
   status_.source = source;
   status_.tag = tag;
   status_.bytes = bytes;
@@ -16,9 +20,25 @@ void Request::complete(int source, uint64_t tag, size_t bytes) {
 }
 
 void Request::fail(std::exception_ptr error) {
-  if (done()) return;
+  State pending = State::kPending;
+  if (!state_.compare_exchange_strong(pending, State::kFinishing, std::memory_order_acquire)) return;
   error_ = std::move(error);
   state_.store(State::kFailed, std::memory_order_release);
+}
+
+bool Request::cancel(std::exception_ptr error) {
+  if (!cancel_gate_) return false;  // a send, or nothing that can withdraw it
+  std::lock_guard<std::mutex> lock(cancel_gate_->mutex);
+  if (!cancel_gate_->withdraw) return false;  // its transport is gone (it failed everything)
+  return cancel_gate_->withdraw(*this, std::move(error));
+}
+
+std::exception_ptr Request::cancelledError(int rank, int peer) const {
+  return std::make_exception_ptr(
+      Aborted(fmt::format("{}cancelled before a message matched it; the next message with this tag "
+                          "goes to the next matching receive",
+                          errorContext(rank, what_)),
+              peer >= 0 ? std::vector<int>{peer} : std::vector<int>{}));
 }
 
 void Request::rethrowIfFailed() const {

@@ -241,6 +241,8 @@ class ShmTransport final : public Transport {
   void abort(std::exception_ptr error) override;
 
  private:
+  // Request::cancel of a receive: withdrawn while it is still posted (no message matched it).
+  bool withdraw(Request& request, std::exception_ptr error);
   void connectAll(const TransportSetup& setup);
   Peer& peerFor(int rank, const char* op);
   bool pumpSend(Peer& p);
@@ -275,6 +277,7 @@ class ShmTransport final : public Transport {
   Clock::time_point next_liveness_check_{};
   uint64_t next_arrival_ = 0;
   bool sleeping_ = false;
+  std::shared_ptr<CancelGate> cancel_gate_ = std::make_shared<CancelGate>();
 };
 
 ShmTransport::ShmTransport(const TransportSetup& setup, const ShmTransportOptions& options)
@@ -283,6 +286,7 @@ ShmTransport::ShmTransport(const TransportSetup& setup, const ShmTransportOption
     throw InvalidArgument(fmt::format("{}rank {} is outside [0, {})",
                                       errorContext(rank_, "shm transport setup"), rank_, size_));
   index_.assign(size_, -1);
+  cancel_gate_->withdraw = [this](Request& r, std::exception_ptr e) { return withdraw(r, std::move(e)); };
   std::vector<int> peers = setup.peers;
   std::sort(peers.begin(), peers.end());
   for (size_t i = 0; i < peers.size(); ++i) {
@@ -458,6 +462,7 @@ void ShmTransport::connectAll(const TransportSetup& setup) {
 }
 
 ShmTransport::~ShmTransport() {
+  cancel_gate_->close();  // first: a cancel() running now holds the gate, then our mutex
   std::lock_guard<std::mutex> lock(mutex_);
   if (!aborted_) {
     failAll(std::make_exception_ptr(Aborted(errorContext(rank_, "shm transport") +
@@ -520,6 +525,7 @@ RequestPtr ShmTransport::irecv(int peer, uint64_t tag, void* data, size_t capaci
   Peer& p = peerFor(peer, "shm recv");
   auto req = std::make_shared<Request>(
       engine_, fmt::format("shm recv of up to {} bytes tag {} from rank {}", capacity, tag, peer));
+  req->setCancelGate(cancel_gate_);
   if (aborted_) {
     req->fail(aborted_);
     return req;
@@ -562,6 +568,25 @@ RequestPtr ShmTransport::tryRecvAny(uint64_t tag, void* data, size_t capacity) {
   if (it->second.empty()) from->unexpected.erase(it);
   matchUnexpected(*from, std::move(u), RecvOp{req, tag, static_cast<uint8_t*>(data), capacity});
   return req;
+}
+
+// Only a posted receive can be withdrawn: once a frame matched it, its payload is
+// streamed into its buffer (or read there by CMA), or the sender waits for its CTS/FIN,
+// and taking it back would split or lose that message.
+bool ShmTransport::withdraw(Request& request, std::exception_ptr error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (Peer& p : peers_) {
+    for (auto it = p.posted.begin(); it != p.posted.end(); ++it) {
+      auto& q = it->second;
+      auto found = std::find_if(q.begin(), q.end(), [&](const RecvOp& r) { return r.req.get() == &request; });
+      if (found == q.end()) continue;
+      q.erase(found);  // later receives of the tag keep their order
+      if (q.empty()) p.posted.erase(it);
+      request.fail(error ? std::move(error) : request.cancelledError(rank_, p.rank));
+      return true;
+    }
+  }
+  return false;
 }
 
 std::optional<RecvOp> ShmTransport::popPosted(Peer& p, uint64_t tag) {

@@ -4,6 +4,11 @@
 // contract asks for. Large messages go through UCX's rendezvous (zero-copy where
 // the transport allows), so a send may stay pending until the peer receives.
 //
+// Cancellation (Request::cancel): ucp_request_cancel withdraws a receive still in
+// UCX's expected queue (no message matched it) and completes it at once with
+// UCS_ERR_CANCELED; a receive a message matched (eager fragments or rendezvous under
+// way, or taken by tryRecvAny) is left alone and completes with its message.
+//
 // Failure handling: endpoints use UCP_ERR_HANDLING_MODE_PEER. When UCX reports a
 // peer's endpoint failed, every pending operation with that peer fails with
 // PeerFailure (receives are also cancelled in UCX, since UCX only fails sends on
@@ -40,6 +45,8 @@ struct Op {
   void* ucp_req = nullptr;
   bool registered = false;  // the ucp request pointer is stored in pending_
   bool finished = false;    // UCX completed it before we registered it
+  bool cancelling = false;  // Request::cancel asked UCX to withdraw it
+  std::exception_ptr cancel_error = nullptr;  // what it fails with then (null: Request::cancelledError)
 };
 
 uint64_t ucpTag(int source, uint64_t tag) {
@@ -56,9 +63,11 @@ class UcxTransport final : public Transport {
   explicit UcxTransport(const TransportSetup& setup)
       : ctx_(std::make_shared<ucx::UcxContext>(setup, "ucx/addr")), rank_(setup.rank), engine_(setup.engine) {
     listener_ = ctx_->addErrorListener([this](int peer, ucs_status_t status) { onPeerError(peer, status); });
+    cancel_gate_->withdraw = [this](Request& r, std::exception_ptr e) { return withdraw(r, std::move(e)); };
   }
 
   ~UcxTransport() override {
+    cancel_gate_->close();  // first: a cancel() running now holds the gate, then the context's mutex
     std::lock_guard<std::recursive_mutex> lock(ctx_->mutex());
     ctx_->removeErrorListener(listener_);
     if (!pending_.empty()) {
@@ -109,6 +118,7 @@ class UcxTransport final : public Transport {
   RequestPtr irecv(int peer, uint64_t tag, void* data, size_t capacity) override {
     auto req = std::make_shared<Request>(engine_, fmt::format("ucx recv from {} tag {} ({} B buffer)",
                                                               ctx_->describePeer(peer), tag, capacity));
+    req->setCancelGate(cancel_gate_);
     std::lock_guard<std::recursive_mutex> lock(ctx_->mutex());
     // A peer that failed (or closed after its last send) may have left complete
     // messages in UCX's unexpected queue: those are still delivered.
@@ -250,6 +260,10 @@ class UcxTransport final : public Transport {
   }
 
   void finish(Op* op, ucs_status_t status, size_t bytes, size_t message_bytes) {
+    if (status == UCS_ERR_CANCELED && op->cancelling) {  // withdrawn by Request::cancel
+      op->req->fail(op->cancel_error ? op->cancel_error : op->req->cancelledError(rank_, op->peer));
+      return;
+    }
     if (op->req->done()) return;  // already failed (peer failure, abort, destruction)
     if (status == UCS_OK) {
       op->req->complete(op->peer, op->tag, bytes);
@@ -312,6 +326,22 @@ class UcxTransport final : public Transport {
     return true;
   }
 
+  // Request::cancel of a receive from irecv. UCX completes a receive it withdraws inside
+  // ucp_request_cancel (the callback erases it from pending_); one a message matched
+  // stays, and completes with that message.
+  bool withdraw(Request& request, std::exception_ptr error) {
+    std::lock_guard<std::recursive_mutex> lock(ctx_->mutex());
+    for (auto& [id, op] : pending_) {
+      if (op->req.get() != &request || op->is_send) continue;
+      const uint64_t op_id = id;
+      op->cancelling = true;
+      op->cancel_error = std::move(error);
+      ucp_request_cancel(ctx_->worker(), op->ucp_req);  // invalidates the loop
+      return pending_.find(op_id) == pending_.end();
+    }
+    return false;
+  }
+
   // Cancelling a receive completes it at once (its callback erases it from pending_).
   void cancel(uint64_t id) {
     auto it = pending_.find(id);
@@ -336,6 +366,7 @@ class UcxTransport final : public Transport {
   std::unordered_map<uint64_t, std::unique_ptr<Op>> pending_;  // by Op::id
   std::vector<uint64_t> to_cancel_;                            // Op ids
   std::exception_ptr aborted_;
+  std::shared_ptr<CancelGate> cancel_gate_ = std::make_shared<CancelGate>();
 };
 
 }  // namespace
