@@ -351,16 +351,22 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
 
   DispatchResult res;
   if (recycle) {
-    // Every byte of these is overwritten below, so their old contents may stay: resize()
-    // then only zero-fills (and faults in) growth past the recycled size.
-    res.x = std::move(recycle->x);
-    if (cfg.expert_major_copy) res.x_expert_major = std::move(recycle->x_expert_major);
-    if (cfg.return_quantized && im.quantized()) {
-      res.q_payload = std::move(recycle->q_payload);
-      res.q_scales = std::move(recycle->q_scales);
-    }
-    *recycle = DispatchResult{};
+    // Only its memory is reused (sizeFrom(), below); nothing else of it may leak into the result.
+    DispatchResult keep;
+    keep.x = std::move(recycle->x);
+    keep.x_expert_major = std::move(recycle->x_expert_major);
+    keep.q_payload = std::move(recycle->q_payload);
+    keep.q_scales = std::move(recycle->q_scales);
+    *recycle = std::move(keep);
   }
+  // `dst` sized to `bytes`, in `from`'s memory when it holds that many (every byte is
+  // overwritten afterwards, so stale contents may stay: resize() only zero-fills growth past
+  // the recycled size). Memory that is too small stays in `from`, untouched: a caller whose
+  // tensors view it (the Python binding) keeps it valid.
+  auto sizeFrom = [](std::vector<uint8_t>& dst, std::vector<uint8_t>* from, size_t bytes) {
+    if (from && from->capacity() >= bytes) dst = std::move(*from);
+    dst.resize(bytes);
+  };
   PhaseClock clk(res.metrics.phases);
   auto h = std::make_shared<MoeHandle>();
   h->owner = this;
@@ -581,11 +587,11 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
       }
       clk.lap("decode");
       // A fresh output's first touch faults its pages in (timed apart); a recycled one is resident.
-      res.x.resize(n * H * im.es);
+      sizeFrom(res.x, recycle ? &recycle->x : nullptr, n * H * im.es);
       rec_of.assign(n, nullptr);
       if (cfg.return_quantized && im.quantized()) {
-        res.q_payload.resize(n * im.payload_bytes);
-        res.q_scales.resize(n * im.scale_bytes);
+        sizeFrom(res.q_payload, recycle ? &recycle->q_payload : nullptr, n * im.payload_bytes);
+        sizeFrom(res.q_scales, recycle ? &recycle->q_scales : nullptr, n * im.scale_bytes);
         res.q_global_scale.resize(n);
       }
       clk.lap("alloc");
@@ -825,7 +831,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     res.expert_weights.resize(res.expert_rows.size());
     for (size_t p = 0; p < res.expert_rows.size(); ++p) res.expert_weights[p] = res.topk_weights[em.slots[p]];
     if (cfg.expert_major_copy) {
-      res.x_expert_major.resize(res.expert_rows.size() * H * im.es);
+      sizeFrom(res.x_expert_major, recycle ? &recycle->x_expert_major : nullptr, res.expert_rows.size() * H * im.es);
       for (size_t p = 0; p < res.expert_rows.size(); ++p)
         std::memcpy(res.x_expert_major.data() + p * H * im.es,
                     res.x.data() + static_cast<size_t>(res.expert_rows[p]) * H * im.es, H * im.es);

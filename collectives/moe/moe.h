@@ -138,8 +138,10 @@ class MoeBuffer {
   // (weights may be null: 1). With `cached` (a handle from an earlier dispatch of the same
   // topk_idx) the layout step is skipped and the routing reused. `recycle` (optional): an
   // earlier result the caller is done with; its x / x_expert_major / q_* memory is reused
-  // for the new result (a fresh x of tens of MB costs page faults on every call, as much as
-  // decoding it) and it is left without them.
+  // for the new result where its capacity suffices (a fresh x of tens of MB costs page
+  // faults on every call, as much as decoding it). Afterwards `recycle` holds only the
+  // arrays the result did not take (too small, or not produced by this buffer's config),
+  // untouched in the same memory; everything else of it is cleared.
   DispatchResult dispatch(const void* x, size_t tokens, const int64_t* topk_idx, const float* topk_weights,
                           std::shared_ptr<const MoeHandle> cached = nullptr,
                           DispatchResult* recycle = nullptr);

@@ -57,21 +57,39 @@ Outcome runOnce(std::shared_ptr<Communicator> comm, MoeConfig cfg, size_t tokens
   Outcome o;
   std::shared_ptr<const MoeHandle> handle;
   DispatchResult prev;
-  // pass 1: cached handle; passes 2, 3: also recycling the previous result, whose buffers hold
-  // garbage and are larger (2) or smaller (3) than needed. Each must give the same again.
-  for (int pass = 0; pass < 4; ++pass) {
+  // pass 1: cached handle; passes 2, 3, 4: also recycling the previous result, whose buffers
+  // hold garbage and are larger (2) or smaller (3) than needed, or have too little capacity
+  // (4: they must stay in the recycled result, untouched). Each must give the same again.
+  for (int pass = 0; pass < 5; ++pass) {
     DispatchResult* recycle = nullptr;
+    const uint8_t* small_x = nullptr;
+    size_t small_x_size = 0;
     if (pass >= 2) {
       for (auto* v : {&prev.x, &prev.q_payload, &prev.q_scales}) {
         v->resize(pass == 2 ? v->size() + 5 : v->size() / 2);
+        if (pass == 4) v->shrink_to_fit();
         std::fill(v->begin(), v->end(), static_cast<uint8_t>(0xA5));
+      }
+      if (pass == 4 && prev.x.capacity() > 0) {
+        small_x = prev.x.data();
+        small_x_size = prev.x.size();
       }
       recycle = &prev;
     }
     DispatchResult d = buf->dispatch(x.data(), tokens, routing.topk_idx.data(), routing.topk_weights.data(),
                                      handle, recycle);
-    if (recycle) {
-      EXPECT_TRUE(prev.x.empty() && prev.q_payload.empty() && !prev.handle) << "recycled result not emptied";
+    if (recycle && pass < 4) {
+      EXPECT_TRUE(prev.x.empty() && !prev.handle && prev.src_rank.empty()) << "recycled result not emptied";
+      if (cfg.return_quantized) {
+        EXPECT_TRUE(prev.q_payload.empty() && prev.q_scales.empty());
+      }
+    }
+    if (small_x) {
+      EXPECT_TRUE(prev.x.data() == small_x && prev.x.size() == small_x_size &&
+                  std::all_of(prev.x.begin(), prev.x.end(), [](uint8_t b) { return b == 0xA5; }))
+          << "a recycled x too small for the result was not left untouched in the recycled result";
+      EXPECT_TRUE(d.x.data() != small_x);
+      EXPECT_TRUE(!prev.handle && prev.src_rank.empty());
     }
     handle = d.handle;
     // y: a row-dependent, non-trivial function of x so the f32 sums have rounding to get wrong.
@@ -99,7 +117,7 @@ Outcome runOnce(std::shared_ptr<Communicator> comm, MoeConfig cfg, size_t tokens
     if (pass == 0)
       o = cur;
     else
-      expectSame(o, cur, pass == 1 ? "cached handle" : "recycled output");
+      expectSame(o, cur, pass == 1 ? "cached handle" : pass == 4 ? "recycled output too small" : "recycled output");
     prev = std::move(d);
   }
   return o;
