@@ -2,7 +2,11 @@
  * byte counts and bandwidth formulas as the crossbar perf binaries (nccl-tests'), and
  * prints one CSV line per size: bytes,count,time_us,algbw,busbw.
  *
- *   mpirun -np 4 mpi_bench -c all_reduce -b 8 -e 1M -f 2 -n 20 -w 5 -d float
+ *   mpirun -np 4 mpi_bench -c all_reduce -b 8 -e 1M -f 2 -n 20 -w 5 -d float [-s 1]
+ *
+ * -s 1: iteration i uses the buffers at offset size * (i % (maxbytes / size)), as the
+ * crossbar perf binaries and nccl-tests do (no all-in-cache best case); without it every
+ * iteration reuses the same buffers.
  */
 #include <mpi.h>
 #include <stdint.h>
@@ -54,7 +58,7 @@ int main(int argc, char** argv) {
   const char* tname = "float";
   const char* oname = "sum";
   size_t minb = 32u << 20, maxb = 32u << 20, stepb = 1u << 20, factor = 1;
-  int iters = 20, warmup = 1, root = 0;
+  int iters = 20, warmup = 1, root = 0, rotate = 0;
   MPI_Init(&argc, &argv);
   int rank, n;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -72,6 +76,7 @@ int main(int argc, char** argv) {
     else if (!strcmp(k, "-d")) tname = v;
     else if (!strcmp(k, "-o")) oname = v;
     else if (!strcmp(k, "-r")) root = atoi(v);
+    else if (!strcmp(k, "-s")) rotate = atoi(v);
     else {
       if (rank == 0) fprintf(stderr, "mpi_bench: unknown option %s\n", k);
       MPI_Abort(MPI_COMM_WORLD, 2);
@@ -88,6 +93,10 @@ int main(int argc, char** argv) {
   char* sbuf = calloc(maxb + 64, 1);
   char* rbuf = calloc(maxb + 64, 1);
   if (!sbuf || !rbuf) MPI_Abort(MPI_COMM_WORLD, 3);
+  /* Touch every page now (calloc's fresh pages fault on first use), as the crossbar perf
+   * binaries do: -s 1 reaches pages the warm-up did not. */
+  memset(sbuf, 1, maxb + 64);
+  memset(rbuf, 0, maxb + 64);
   if (rank == 0) printf("bytes,count,time_us,algbw,busbw\n");
 
   for (size_t size = minb; size <= maxb;) {
@@ -127,11 +136,17 @@ int main(int argc, char** argv) {
     }
     int c = (int)param;
     double t0 = 0;
+    const size_t span = bytes > count * es ? bytes : count * es;
+    const size_t steps = rotate && span ? (maxb / span > 0 ? maxb / span : 1) : 1;
+    char* const sbuf0 = sbuf;
+    char* const rbuf0 = rbuf;
     for (int it = -warmup; it < iters; ++it) {
       if (it == 0) {
         MPI_Barrier(MPI_COMM_WORLD);
         t0 = MPI_Wtime();
       }
+      sbuf = sbuf0 + span * ((size_t)(it + warmup) % steps);
+      rbuf = rbuf0 + span * ((size_t)(it + warmup) % steps);
       switch (kind) {
         case 1: MPI_Allreduce(sbuf, rbuf, c, type, op, MPI_COMM_WORLD); break;
         case 2: MPI_Allgather(sbuf, c, type, rbuf, c, type, MPI_COMM_WORLD); break;
@@ -157,6 +172,8 @@ int main(int argc, char** argv) {
       }
     }
     double sec = (MPI_Wtime() - t0) / iters, sum = 0;
+    sbuf = sbuf0;
+    rbuf = rbuf0;
     MPI_Allreduce(&sec, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     sec = sum / n; /* the average over ranks, as nccl-tests' default -a 1 */
     double algbw = sec > 0 ? (double)param * es * alg_factor / 1e9 / sec : 0;
