@@ -608,18 +608,28 @@ bool CrossbarWork::wait(std::chrono::milliseconds timeout) {
 }
 
 void CrossbarWork::abort() {
-  complete(std::make_exception_ptr(Aborted(errorContext(rank_, "abort") + "the work was aborted")));
+  auto err = std::make_exception_ptr(
+      Aborted(fmt::format("{}the {} was aborted", errorContext(rank_, "abort"), c10d::opTypeToString(opType_))));
+  // (A staged send's request is posted later by the point-to-point thread: left alone.)
+  if (!(staged && opType_ == c10d::OpType::SEND)) cancelReceives(err);
+  complete(err);
+}
+
+void CrossbarWork::cancelReceives(const std::exception_ptr& err) {
+  for (const auto& r : requests) r->cancel(err);  // a send or a matched receive: false, runs on
+  for (auto& c : children) c->cancelReceives(err);
 }
 
 // ---- works whose buffers a transport may still use ---------------------------------------
 
 namespace {
 
-// A point-to-point receive that failed without completing (timed out, or its group was
-// aborted) stays posted in the transport until its message comes or the transports end,
-// and a send's buffer may still be read: such works (their tensors) must outlive their
-// group. The transport holds each request while it may touch the buffer, so a work is
-// released once nothing but the work holds its requests.
+// A point-to-point work that failed without completing (timed out, aborted, its group
+// aborted) has its receives withdrawn where no message matched them yet (then their
+// buffers are free). What is left may still use its buffers: a send the peer has not
+// taken yet, a receive whose message was arriving. Such works (their tensors) must
+// outlive their group. The transport holds each request while it may touch the buffer,
+// so a work is released once nothing but the work holds its requests.
 bool transportStillHolds(const CrossbarWork& w) {
   for (const auto& r : w.requests)
     if (r.use_count() > 1) return true;
@@ -910,7 +920,8 @@ void CrossbarBackend::p2pLoop() {
         if (err || mismatch) {  // for getError(), like the collectives' failures
           std::lock_guard<std::mutex> lk(m_);
           if (!first_error_) first_error_ = err ? err : mismatch;
-          // Failed (e.g. its group was aborted) while the transport still holds it.
+          // Failed (e.g. its group was aborted) while the transport still holds it (a
+          // send; the abort withdrew the receives no message had matched).
           if (err && transportStillHolds(*w)) orphans_.push_back(w);
         }
         return true;
@@ -922,10 +933,15 @@ void CrossbarBackend::p2pLoop() {
         err = std::make_exception_ptr(Timeout(
             fmt::format("{}{} did not finish within {} ms (the peer never posted the matching operation?)",
                         errorContext(rank_, "p2p"), what, w->getTimeout().count())));
+        // Its receives no message matched are withdrawn: a message sent later goes to the
+        // next receive, not into this tensor. (This thread is the one that posts staged
+        // sends, so their requests can be read here.)
+        w->cancelReceives(err);  // (with the work's error: a wait() that sees it first reports the same)
         w->complete(err);
-        // The transport may still write into the buffers: keep them alive (LingeringWorks).
         std::lock_guard<std::mutex> lk(m_);
-        orphans_.push_back(w);
+        std::erase_if(orphans_, [](const auto& o) { return !transportStillHolds(*o); });
+        // A send, or a receive whose message is arriving: keep the buffers (LingeringWorks).
+        if (transportStillHolds(*w)) orphans_.push_back(w);
         if (!first_error_) first_error_ = err;
         return true;
       }

@@ -104,6 +104,9 @@ class CrossbarWork : public c10d::Work {
   bool waitUnderlying(Deadline deadline, std::exception_ptr* err);
   // Runs post-processing once, records the result and marks the future.
   void complete(std::exception_ptr err);
+  // Withdraws its (and its parts') receives no message matched yet (Request::cancel),
+  // failing them with `err`: their buffers are free, later messages go to later receives.
+  void cancelReceives(const std::exception_ptr& err);
 
   WorkPtr coll;                       // collectives
   std::vector<RequestPtr> requests;   // point to point

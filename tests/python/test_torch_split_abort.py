@@ -79,3 +79,63 @@ def _abort_world(rank, world):
 
 def test_abort_of_the_default_group_ends_every_group():
     run_ranks(_abort_world, 2)
+
+
+def _aborted_receive_is_withdrawn(rank, world):
+    import crossbar
+
+    a = dist.new_group([0, 1], use_local_synchronization=True)
+    _all_reduce_check(a, [0, 1], 0)
+    if rank == 0:
+        r = torch.full((3,), -1.0)
+        recv = dist.irecv(r, group_src=1, group=a, tag=5)
+        _abort_process_group(a)  # rank 0 only: rank 1's side of the group stays up
+        with pytest.raises(crossbar.Aborted, match="abort"):
+            recv.wait()
+    dist.barrier()
+    if rank == 1:
+        # Into rank 0's aborted receive, were it still posted: on the group (rank 1 did not
+        # abort it), then on the default group with the same tag.
+        dist.send(torch.full((3,), 7.0), group_dst=0, group=a, tag=5)
+        dist.send(torch.full((3,), 8.0), dst=0, tag=5)
+        _abort_process_group(a)  # (no goodbye barrier with rank 0, which left the group)
+    else:
+        got = torch.zeros(3)
+        dist.recv(got, src=1, tag=5)  # after the group's message (one shm ring, in order)
+        assert torch.equal(got, torch.full((3,), 8.0)), got
+        assert torch.equal(r, torch.full((3,), -1.0)), f"an aborted receive's tensor was written: {r}"
+    dist.barrier()
+
+
+def test_an_aborted_receive_is_withdrawn():
+    """The abort withdraws the group's pending receive: a message the peer sends later
+    (over the same transports) is not written into its tensor."""
+    run_ranks(_aborted_receive_is_withdrawn, 2)
+
+
+def _timed_out_receive_is_withdrawn(rank, world):
+    import datetime
+
+    import crossbar
+
+    g = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2), use_local_synchronization=True)
+    if rank == 0:
+        stale = torch.full((3,), -1.0)
+        recv = dist.irecv(stale, group_src=1, group=g, tag=8)
+        with pytest.raises(crossbar.TimeoutError):
+            recv.wait()  # rank 1 sends nothing until told below
+        dist.send(torch.ones(1), dst=1, tag=9)
+        got = torch.zeros(3)
+        dist.recv(got, group_src=1, group=g, tag=8)  # the message the timed-out receive did not take
+        assert torch.equal(got, torch.full((3,), 5.0)), got
+        assert torch.equal(stale, torch.full((3,), -1.0)), f"a timed-out receive's tensor was written: {stale}"
+    else:
+        dist.recv(torch.zeros(1), src=0, tag=9)
+        dist.send(torch.full((3,), 5.0), group_dst=0, group=g, tag=8)
+    dist.barrier()
+
+
+def test_a_timed_out_receive_is_withdrawn():
+    """A receive whose Work timed out is withdrawn: the message sent after the timeout goes
+    to the next receive with that tag, not into the timed-out one's tensor."""
+    run_ranks(_timed_out_receive_is_withdrawn, 2)
