@@ -13,6 +13,7 @@
 #include <string>
 
 #include "collectives/moe/moe.h"
+#include "collectives/moe/moe_plan.h"
 #include "comm/errors.h"
 #include "torch_backend/backend.h"
 
@@ -25,7 +26,6 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "collectives/moe/cuda/moe_cuda.h"
-#include "collectives/moe/moe_plan.h"
 #else
 #define CROSSBAR_MOE_CUDA_TENSORS 0
 #endif
@@ -144,6 +144,35 @@ PayloadFormat formatOf(const std::string& s) {
   throw InvalidArgument("payload format '" + s + "': use native, fp8, mxfp8 or nvfp4");
 }
 
+// The large arrays of a CPU dispatch result: its tensors view them without a copy and keep
+// this alive. dispatch(out=...) passes them to the next dispatch as MoeBuffer's `recycle`,
+// which takes only arrays whose capacity suffices (never reallocating them); what it takes
+// moves to the next result's memory, which this one keeps alive from then on (its tensors
+// still view it, now with the new result's bytes: torch's out= semantics).
+struct ResultMemory {
+  std::vector<uint8_t> x, x_expert_major, q_payload, q_scales;
+  std::vector<std::shared_ptr<ResultMemory>> heirs;  // hold memory handed on by out=
+};
+struct PyResultMemory {
+  std::shared_ptr<ResultMemory> memory;
+};
+
+// A byte tensor viewing `v` (owned by `keep`, which the tensor keeps alive).
+at::Tensor viewBytes(std::vector<uint8_t>& v, const std::shared_ptr<void>& keep) {
+  if (v.empty()) return at::empty({0}, at::TensorOptions().dtype(at::kByte));
+  return at::from_blob(
+      v.data(), {static_cast<int64_t>(v.size())}, [keep](void*) {}, at::TensorOptions().dtype(at::kByte));
+}
+
+// `v` as a tensor of `type` and `shape`, without a copy (the tensor owns the vector).
+template <typename T>
+at::Tensor ownedTensor(std::vector<T>&& v, at::ScalarType type, std::vector<int64_t> shape) {
+  if (v.empty()) return at::empty(shape, at::TensorOptions().dtype(type));
+  auto owner = std::make_shared<std::vector<T>>(std::move(v));
+  void* data = owner->data();
+  return at::from_blob(data, shape, [owner](void*) {}, at::TensorOptions().dtype(type));
+}
+
 struct PyHandle {
   std::shared_ptr<const MoeHandle> handle;  // CPU buffers
 #if CROSSBAR_MOE_CUDA_TENSORS
@@ -236,7 +265,7 @@ class PyBuffer {
   }
 
   py::dict dispatch(const at::Tensor& x, const at::Tensor& topk_idx, const std::optional<at::Tensor>& weights,
-                    const std::optional<PyHandle>& cached) {
+                    const std::optional<PyHandle>& cached, const std::optional<PyResultMemory>& out) {
     const auto& cfg = config();
     requireOnDevice(x, cuda_device_, "x");
     requireIdx(topk_idx, cuda_device_);
@@ -255,16 +284,50 @@ class PyBuffer {
     if (cuda_) return dispatchCuda(x, topk_idx, weights, w, cached);
 #endif
     DispatchResult r;
+    auto mem = std::make_shared<ResultMemory>();
     {
       py::gil_scoped_release release;
-      r = buf_->dispatch(x.data_ptr(), static_cast<size_t>(x.size(0)), topk_idx.data_ptr<int64_t>(), w,
-                         cached ? cached->handle : nullptr);
+      DispatchResult spare;
+      ResultMemory* old = out && out->memory ? out->memory.get() : nullptr;
+      if (old) {
+        spare.x = std::move(old->x);
+        spare.x_expert_major = std::move(old->x_expert_major);
+        spare.q_payload = std::move(old->q_payload);
+        spare.q_scales = std::move(old->q_scales);
+      }
+      try {
+        r = buf_->dispatch(x.data_ptr(), static_cast<size_t>(x.size(0)), topk_idx.data_ptr<int64_t>(), w,
+                           cached ? cached->handle : nullptr, old ? &spare : nullptr);
+      } catch (...) {
+        // A dispatch that throws leaves the recycled arrays in `spare` (moe.h): back to the
+        // old tensors' memory.
+        if (old) {
+          old->x = std::move(spare.x);
+          old->x_expert_major = std::move(spare.x_expert_major);
+          old->q_payload = std::move(spare.q_payload);
+          old->q_scales = std::move(spare.q_scales);
+        }
+        throw;
+      }
+      mem->x = std::move(r.x);
+      mem->x_expert_major = std::move(r.x_expert_major);
+      mem->q_payload = std::move(r.q_payload);
+      mem->q_scales = std::move(r.q_scales);
+      if (old) {
+        // What dispatch did not take stays with the old tensors; what it took (never
+        // reallocated) now belongs to `mem`, which the old tensors then need alive.
+        old->x = std::move(spare.x);
+        old->x_expert_major = std::move(spare.x_expert_major);
+        old->q_payload = std::move(spare.q_payload);
+        old->q_scales = std::move(spare.q_scales);
+        old->heirs.push_back(mem);
+      }
     }
     const int64_t n = static_cast<int64_t>(r.num_recv), H = static_cast<int64_t>(cfg.hidden), k = cfg.topk;
     const int64_t le = buf_->numLocalExperts(), m = static_cast<int64_t>(r.expert_rows.size());
     const at::ScalarType st = scalarType(cfg.dtype);
     py::dict d;
-    d["x"] = toTensor(r.x, at::kByte, {static_cast<int64_t>(r.x.size())}).view(st).view({n, H});
+    d["x"] = viewBytes(mem->x, mem).view(st).view({n, H});
     d["src_rank"] = toTensor(r.src_rank, at::kInt, {n});
     d["src_token"] = toTensor(r.src_token, at::kInt, {n});
     d["recv_per_rank"] = toTensor(r.recv_per_rank, at::kInt, {static_cast<int64_t>(r.recv_per_rank.size())});
@@ -274,21 +337,21 @@ class PyBuffer {
     d["expert_offsets"] = toTensor(r.expert_offsets, at::kInt, {le + 1});
     d["expert_rows"] = toTensor(r.expert_rows, at::kInt, {m});
     d["expert_weights"] = toTensor(r.expert_weights, at::kFloat, {m});
-    d["x_expert_major"] =
-        toTensor(r.x_expert_major, at::kByte, {static_cast<int64_t>(r.x_expert_major.size())})
-            .view(st)
-            .view({m, H});
-    if (!r.q_payload.empty() || (cfg.return_quantized && cfg.format != PayloadFormat::kNative)) {
-      const int64_t pb = n ? static_cast<int64_t>(r.q_payload.size()) / n : 0;
-      const int64_t sb = n ? static_cast<int64_t>(r.q_scales.size()) / n : 0;
-      d["q_payload"] = toTensor(r.q_payload, at::kByte, {n, pb});
-      d["q_scales"] = toTensor(r.q_scales, at::kByte, {n, sb});
+    d["x_expert_major"] = viewBytes(mem->x_expert_major, mem).view(st).view({m, H});
+    if (!mem->q_payload.empty() || (cfg.return_quantized && cfg.format != PayloadFormat::kNative)) {
+      // Widths from the row format (also right for n = 0, where the caller's dtype views of
+      // the scales need a whole number of elements per row).
+      const moe::RowFormat rf = moe::makeRowFormat(cfg);
+      const auto pb = static_cast<int64_t>(rf.payload_bytes), sb = static_cast<int64_t>(rf.scale_bytes);
+      d["q_payload"] = viewBytes(mem->q_payload, mem).view({n, pb});
+      d["q_scales"] = viewBytes(mem->q_scales, mem).view({n, sb});
       d["q_global_scale"] = toTensor(r.q_global_scale, at::kFloat, {n});
     }
     d["metrics"] = metricsDict(r.metrics);
     PyHandle h;
     h.handle = r.handle;
     d["handle"] = h;
+    d["memory"] = PyResultMemory{mem};
     return d;
   }
 
@@ -319,9 +382,8 @@ class PyBuffer {
     py::dict metrics;
     metrics["inter_node_bytes"] = r.metrics.inter_node_bytes;
     metrics["intra_node_bytes"] = r.metrics.intra_node_bytes;
-    return py::make_tuple(
-        toTensor(r.out, at::kFloat, {static_cast<int64_t>(r.out.size()) / std::max<int64_t>(H, 1), H}),
-        metrics);
+    const int64_t rows = static_cast<int64_t>(r.out.size()) / std::max<int64_t>(H, 1);
+    return py::make_tuple(ownedTensor(std::move(r.out), at::kFloat, {rows, H}), metrics);
   }
 
   // CUDA buffers only (crossbar/moe.py sums CPU tensors itself): combine of expert-major rows
@@ -489,6 +551,7 @@ void bindMoe(py::module_& m) {
   auto s = m.def_submodule("_moe", "MoE dispatch/combine (see crossbar.moe)");
   s.attr("cuda") = py::bool_(CROSSBAR_MOE_CUDA_TENSORS != 0);  // CUDA tensors supported by this build
   py::class_<PyHandle>(s, "Handle").def_property_readonly("num_recv", &PyHandle::numRecv);
+  py::class_<PyResultMemory>(s, "ResultMemory");  // opaque: Dispatched._memory, for dispatch(out=)
   py::class_<PyBuffer>(s, "Buffer")
       .def(py::init<const py::object&, size_t, size_t, int, int, const std::string&, const std::string&, bool,
                     int64_t, int64_t, int64_t, const std::string&, int>(),
@@ -497,7 +560,8 @@ void bindMoe(py::module_& m) {
            py::arg("expert_capacity"), py::arg("chunk_tokens"), py::arg("timeout_ms"),
            py::arg("combine_wire"), py::arg("cuda_device") = -1)
       .def("layout", &PyBuffer::layout)
-      .def("dispatch", &PyBuffer::dispatch)
+      .def("dispatch", &PyBuffer::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("weights"),
+           py::arg("cached"), py::arg("out") = std::nullopt)
       .def("combine", &PyBuffer::combine)
       .def("combine_expert_major", &PyBuffer::combineExpertMajor)
       .def_property_readonly("device", &PyBuffer::device)

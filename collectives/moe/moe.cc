@@ -359,6 +359,19 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     keep.q_scales = std::move(recycle->q_scales);
     *recycle = std::move(keep);
   }
+  // If the call throws, what it took from `recycle` goes back there (a caller's views of that
+  // memory stay valid).
+  struct GiveBack {
+    DispatchResult* to;
+    DispatchResult& res;
+    bool finished = false;
+    ~GiveBack() {
+      if (!to || finished) return;
+      for (auto [dst, src] : {std::pair{&to->x, &res.x}, std::pair{&to->x_expert_major, &res.x_expert_major},
+                              std::pair{&to->q_payload, &res.q_payload}, std::pair{&to->q_scales, &res.q_scales}})
+        if (dst->empty()) *dst = std::move(*src);
+    }
+  } give_back{recycle, res};
   // `dst` sized to `bytes`, in `from`'s memory when it holds that many (every byte is
   // overwritten afterwards, so stale contents may stay: resize() only zero-fills growth past
   // the recycled size). Memory that is too small stays in `from`, untouched: a caller whose
@@ -840,6 +853,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   clk.lap("expert major");
   finishDispatchMetrics(res.metrics, im.topo, h->stats, im.row, res.tokens_per_expert);
   res.handle = std::move(h);
+  give_back.finished = true;
   return res;
 }
 

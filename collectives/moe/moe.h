@@ -141,7 +141,8 @@ class MoeBuffer {
   // for the new result where its capacity suffices (a fresh x of tens of MB costs page
   // faults on every call, as much as decoding it). Afterwards `recycle` holds only the
   // arrays the result did not take (too small, or not produced by this buffer's config),
-  // untouched in the same memory; everything else of it is cleared.
+  // untouched in the same memory; everything else of it is cleared. If the call throws,
+  // `recycle` keeps its arrays (same memory).
   DispatchResult dispatch(const void* x, size_t tokens, const int64_t* topk_idx, const float* topk_weights,
                           std::shared_ptr<const MoeHandle> cached = nullptr,
                           DispatchResult* recycle = nullptr);

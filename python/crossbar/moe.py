@@ -72,6 +72,8 @@ class Dispatched:
     q_payload: torch.Tensor | None = None
     q_scales: torch.Tensor | None = None
     q_global_scale: torch.Tensor | None = None  # nvfp4's per-tensor scale of the source rank
+    # CPU path: the memory x / x_expert_major / q_payload / q_scales view (dispatch(out=...)).
+    _memory: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def num_recv(self) -> int:
@@ -183,18 +185,34 @@ class Buffer:
         out = (d["tokens_per_rank"], d["tokens_per_node"], d["tokens_per_expert"], d["is_token_in_rank"])
         return Layout(*(t.to(topk_idx.device) for t in out))
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None, handle=None):
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor | None = None,
+        handle=None,
+        *,
+        out: Dispatched | None = None,
+    ):
         """Sends each token [tokens, hidden] to the ranks of its top-k experts. Collective.
 
         topk_idx: [tokens, topk] integer expert ids (-1: none); topk_weights: [tokens, topk]
         (default 1). handle: from an earlier dispatch with the same topk_idx (skips the layout).
+        out: an earlier Dispatched you are done with (torch's out= convention): the new result's
+        x, x_expert_major, q_payload and q_scales reuse its memory where it is large enough (a
+        fresh x of tens of MB costs page faults on every call, as much as decoding it), so
+        out's tensors then hold the new result's bytes (or stale ones). Results are the same
+        as without it. CPU path only; CUDA results come from torch's caching allocator, which
+        reuses memory already, and ignore it.
         """
+        if out is not None and not isinstance(out, Dispatched):
+            raise TypeError(f"out must be a Dispatched from an earlier dispatch, not {type(out).__name__}")
         idx = topk_idx.to(torch.int64).contiguous()
         w = topk_weights.to(torch.float32).contiguous() if topk_weights is not None else None
-        d = self._impl.dispatch(x.contiguous(), idx, w, handle)
-        out = Dispatched(
-            **{f.name: d[f.name] for f in dataclasses.fields(Dispatched) if f.name in d and not f.name.startswith("q_")}
-        )
+        memory = out._memory if out is not None else None
+        d = self._impl.dispatch(x.contiguous(), idx, w, handle, memory)
+        fields = {f.name: d[f.name] for f in dataclasses.fields(Dispatched) if f.name in d and not f.name.startswith("q_")}
+        out = Dispatched(**fields, _memory=d.get("memory"))
         if "q_payload" in d:
             p, s = d["q_payload"], d["q_scales"]
             if self.payload == "fp8":

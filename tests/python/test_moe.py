@@ -170,3 +170,66 @@ def test_moe_matches_torch_reference(world, monkeypatch):
         monkeypatch.setenv("CROSSBAR_RANKS_PER_NODE", "2")  # two virtual nodes of two ranks
     payloads = ["bf16", "fp8", "mxfp8", "nvfp4"] if world == 4 else ["native", "fp8"]
     run_ranks(body, world, payloads)
+
+
+def _bits(t):
+    """A tensor's bytes, for bit-exact comparison (float8 and bf16 included)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _same_result(a, b, what):
+    names = ["x", "src_rank", "src_token", "recv_per_rank", "topk_idx", "topk_weights", "tokens_per_expert",
+             "expert_offsets", "expert_rows", "expert_weights", "x_expert_major", "q_payload", "q_scales",
+             "q_global_scale"]
+    for name in names:
+        ta, tb = getattr(a, name), getattr(b, name)
+        if ta is None or tb is None:
+            assert ta is None and tb is None, f"{what}: {name} present in only one result"
+            continue
+        assert ta.shape == tb.shape and ta.dtype == tb.dtype, f"{what}: {name} {ta.shape} vs {tb.shape}"
+        assert torch.equal(_bits(ta), _bits(tb)), f"{what}: {name} differs"
+
+
+def recycle_body(rank, world):
+    import crossbar.moe as moe
+
+    E = EPR * world
+    for payload in ("bf16", "fp8"):
+        buf = moe.Buffer(max_tokens=MAX_TOKENS, hidden=HIDDEN, topk=TOPK, num_experts=E, payload=payload,
+                         return_quantized=payload == "fp8", chunk_tokens=5)
+        prev_fresh = chain = None
+        # Shrinking and growing results: out's memory is reused when large enough, and left to
+        # out untouched when too small.
+        for step, tokens in enumerate((MAX_TOKENS, 11, 3, 0, MAX_TOKENS, 20, 25)):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x = (torch.randn(tokens, HIDDEN, generator=g) * 3).to(torch.bfloat16)
+            w, idx = torch.rand(tokens, E, generator=g).softmax(-1).topk(TOPK, dim=-1)
+            fresh = buf.dispatch(x, idx, w)
+            if prev_fresh is not None:
+                # A fresh result's x holds exactly its bytes: reused iff the new x fits.
+                old_bytes, old_ptr, old_x = prev_fresh.x.numel(), prev_fresh.x.data_ptr(), prev_fresh.x.clone()
+                d = buf.dispatch(x, idx, w, out=prev_fresh)
+                _same_result(fresh, d, f"{payload} step {step}: out=previous fresh result")
+                if 0 < d.x.numel() <= old_bytes:
+                    assert d.x.data_ptr() == old_ptr, "out's x memory was not reused"
+                    # torch's out= semantics: out's tensors now show the new bytes.
+                    assert torch.equal(prev_fresh.x.reshape(-1)[: d.x.numel()], d.x.reshape(-1))
+                elif d.x.numel() > old_bytes:
+                    assert torch.equal(_bits(prev_fresh.x), _bits(old_x)), "a too-small out was written"
+                # Recycling a chain of recycled results (memory handed on several times).
+                c = buf.dispatch(x, idx, w, out=chain)
+                _same_result(fresh, c, f"{payload} step {step}: out=chain")
+                float(prev_fresh.x.float().sum())  # earlier results' tensors stay readable
+                chain = c
+            else:
+                chain = buf.dispatch(x, idx, w)
+            prev_fresh = fresh
+            y = fresh.x.float() * 1.5
+            assert torch.equal(buf.combine(y, fresh.handle), buf.combine(y, chain.handle))
+        with pytest.raises(TypeError):
+            buf.dispatch(x, idx, w, out=x)
+
+
+def test_moe_dispatch_out_recycles_bit_identical(monkeypatch):
+    monkeypatch.setenv("CROSSBAR_RANKS_PER_NODE", "2")  # two virtual nodes of two ranks
+    run_ranks(recycle_body, 4)
