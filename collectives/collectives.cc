@@ -33,6 +33,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -112,6 +113,7 @@ struct Planned {
   const Algorithm* algo = nullptr;
   uint32_t tag = 0;
   uint64_t seq = 0;  // collectives only (signature.h checks it across ranks)
+  bool eager = false;  // isEagerAlgorithm(algo), known once
   std::string describe() const { return fmt::format("{} ({})", args.describe(), algo->name); }
 };
 
@@ -144,7 +146,7 @@ class WorkImpl final : public Work {
     return desc_;
   }
   // Work::wait(): allows for every operation that was ahead of this one at issue.
-  void waitDefault();
+  void waitDefault() override;
 
   std::shared_ptr<Queue> q_;
   // Fixed before the Work is queued; read by the thread that executes it.
@@ -159,6 +161,9 @@ class WorkImpl final : public Work {
   uint32_t ahead = 0;            // operations queued or executing ahead of it when issued
   bool eager_published = false;  // EagerChannel::tryRun published this rank's slot already
   bool done = false;
+  // `done`, readable without the lock: stored (release) after `err`, so a reader that
+  // sees it (acquire) may read `err` (a finished Work's error never changes).
+  std::atomic<bool> finished{false};
   bool started = false;
   std::exception_ptr err;
   mutable std::string desc_;
@@ -184,7 +189,7 @@ void execute(const Shared& sh, WorkImpl& w, Deadline deadline) {
     telemetry::OpScope record(collTypeName(op.args.coll), op.args.selectionBytes(comm->size()), op.algo->name,
                               w.issued_ns, static_cast<int64_t>(op.seq), comm->rank());
     // The eager path checks the call in its own slots (eager.h).
-    if (isEagerAlgorithm(op.algo)) return sh.eager->run(op.args, op.seq, deadline, w.eager_published);
+    if (op.eager) return sh.eager->run(op.args, op.seq, deadline, w.eager_published);
     sh.checker->check(comm, op.args, op.seq, deadline);
     if (isEmpty(op.args)) return;
     x.tag = op.tag;
@@ -216,7 +221,7 @@ void execute(const Shared& sh, WorkImpl& w, Deadline deadline) {
   for (size_t i = 0; i < nops; ++i) {
     const Planned& op = ops[i];
     if (isP2p(op.args.coll)) continue;
-    if (isEagerAlgorithm(op.algo)) {
+    if (op.eager) {
       sh.eager->run(op.args, op.seq, deadline);
       continue;
     }
@@ -289,6 +294,7 @@ struct Queue {
     w.group.clear();
     w.err = err;
     w.done = true;
+    w.finished.store(true, std::memory_order_release);
     if (err && !sticky) {
       sticky = err;
       sticky_op = w.description();
@@ -334,7 +340,7 @@ struct Queue {
   // published one with run()).
   void progressEager(std::unique_lock<std::mutex>& lk, const WorkImpl* mine, bool spin_mine) {
     while (!executing && !items.empty() && !sticky) {
-      if (items.front()->is_group || !isEagerAlgorithm(items.front()->op.algo)) return;
+      if (items.front()->is_group || !items.front()->op.eager) return;
       std::shared_ptr<WorkImpl> w = std::move(items.front());
       items.pop_front();
       executing = true;
@@ -385,6 +391,10 @@ struct Queue {
 };
 
 bool WorkImpl::test() {
+  if (finished.load(std::memory_order_acquire)) {
+    if (err) std::rethrow_exception(err);
+    return true;
+  }
   std::unique_lock<std::mutex> lk(q_->m);
   if (!done && q_->shared && !telemetry::Recorder::instance().enabled()) {
     q_->progressEager(lk, this, false);  // a quick look: test() never waits
@@ -400,6 +410,10 @@ std::exception_ptr WorkImpl::error() const {
 }
 
 void WorkImpl::waitDefault() {
+  if (finished.load(std::memory_order_acquire)) {
+    if (err) std::rethrow_exception(err);
+    return;
+  }
   Millis allow{0};
   {
     std::lock_guard<std::mutex> lk(q_->m);
@@ -414,6 +428,10 @@ void WorkImpl::waitDefault() {
 }
 
 void WorkImpl::wait(Deadline deadline) {
+  if (finished.load(std::memory_order_acquire)) {
+    if (err) std::rethrow_exception(err);
+    return;
+  }
   std::unique_lock<std::mutex> lk(q_->m);
   while (!done) {
     const Clock::time_point now = Clock::now();  // one clock read per round (small calls feel each)
@@ -625,8 +643,7 @@ void validateCollArgs(const CollArgs& a, const Communicator& c) {
   validate(a, c);
 }
 
-void Work::wait() {
-  if (auto* w = dynamic_cast<WorkImpl*>(this)) return w->waitDefault();
+void Work::waitDefault() {
   wait(Deadline::after(defaultTimeout()));
 }
 
@@ -647,6 +664,7 @@ struct Collectives::Impl {
   std::vector<Planned> group;
   std::shared_ptr<WorkImpl> group_work;
   std::shared_ptr<CudaRoute> cuda_route;  // device memory: collectives/cuda/route.h
+  const Algorithm* eager_pick[kNumCollTypes] = {};  // plan(): the table's eager pick per collective
   Planned plan(CollArgs a, const CollOptions& o);
   WorkPtr submit(CollArgs a, const CollOptions& o);
   Millis timeoutOf(const CollOptions& o) const { return o.timeout.count() > 0 ? o.timeout : comm->timeout(); }
@@ -654,7 +672,22 @@ struct Collectives::Impl {
 
 Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
   validate(a, *comm);
-  Selection s = selectAlgorithm(a, *comm, o.algorithm, env_override);
+  Selection s;
+  const int c = static_cast<int>(a.coll);
+  // The eager rows lead the table for their collectives and eager applies by size and
+  // topology alone, so once the table picked eager for a collective, any call of it
+  // that fits takes eager too (without CollOptions.algorithm or CROSSBAR_ALGO for it,
+  // and without INFO logging, which wants the table's reason): no table scan.
+  const bool cacheable = o.algorithm.empty() && env_override.per_coll[c].empty() &&
+                         !log::enabled(log::Level::kInfo);
+  bool eager = cacheable && eager_pick[c] && eagerFits(a, *comm);
+  if (eager) {
+    s.algorithm = eager_pick[c];
+  } else {
+    s = selectAlgorithm(a, *comm, o.algorithm, env_override);
+    eager = isEagerAlgorithm(s.algorithm);
+    if (cacheable && eager) eager_pick[c] = s.algorithm;
+  }
   if (s.algorithm->needs_hier && !hier) {
     // Collective (split); every rank selects the same algorithm for the same call.
     auto h = std::make_shared<HierComms>();
@@ -665,6 +698,7 @@ Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
   Planned pl;
   pl.args = std::move(a);
   pl.algo = s.algorithm;
+  pl.eager = eager;
   // Only collectives take a sequence number: point-to-point calls use the user's tag
   // and need not pair up per call, so counting them would put ranks out of step.
   if (!isP2p(pl.args.coll)) {
@@ -690,7 +724,7 @@ WorkPtr Collectives::Impl::submit(CollArgs a, const CollOptions& o) {
   const bool recording = telemetry::Recorder::instance().enabled();
   if (recording) w->issued_ns = telemetry::nowNs();
   // Eager calls are tried right here (telemetry records operations from execute()).
-  const bool try_now = !recording && isEagerAlgorithm(w->op.algo);
+  const bool try_now = !recording && w->op.eager;
   std::unique_lock<std::mutex> lk(q->m);
   q->push(w, timeoutOf(o), !try_now);
   issue.unlock();  // queued: later calls go behind it

@@ -35,9 +35,14 @@ class Work {
   virtual ~Work() = default;
   virtual bool test() = 0;                   // true when finished (rethrows its error)
   virtual void wait(Deadline deadline) = 0;  // Timeout names the op; rethrows its error
-  void wait();
+  void wait() { waitDefault(); }            // with the Work's default deadline
   virtual std::exception_ptr error() const = 0;
   virtual const std::string& description() const = 0;  // "allreduce 4096 x float sum (ring)"
+
+ protected:
+  // wait() without a deadline: CROSSBAR_TIMEOUT, unless the Work knows better (the
+  // queue allows for the operations ahead of it).
+  virtual void waitDefault();
 };
 using WorkPtr = std::shared_ptr<Work>;
 

@@ -54,14 +54,20 @@ std::string eagerApplies(const CollArgs& a, const Communicator& comm) {
 
 }  // namespace
 
-// The header of one slot: one cache line, `seq1` stored last (release).
+bool eagerFits(const CollArgs& a, const Communicator& comm) {
+  const size_t limit = eagerMaxBytes();
+  return limit != 0 && comm.localSize() == comm.size() && a.selectionBytes(comm.size()) < limit;
+}
+
+// The header of one slot, `seq1` stored last (release). The payload starts right
+// after it, in the rest of the header's cache line: a payload of up to 24 bytes
+// reaches a reader with the header, one line transfer instead of two.
 struct EagerChannel::Header {
   std::atomic<uint64_t> seq1;      // collective number + 1 (0: never used)
   std::atomic<uint32_t> sleepers;  // readers about to block on this slot (writer signals them)
   int32_t coll, type, op, root;
   uint32_t unused;
   uint64_t count;
-  char pad[kLine - 40];
 };
 static_assert(sizeof(std::atomic<uint64_t>) == 8 && sizeof(std::atomic<uint32_t>) == 4);
 
@@ -99,7 +105,8 @@ void registerEagerAlgorithms(std::deque<Algorithm>& out) {
 EagerChannel::EagerChannel(std::shared_ptr<Communicator> comm, std::shared_ptr<CallChecker> checker)
     : comm_(std::move(comm)), checker_(std::move(checker)), rank_(comm_->rank()), size_(comm_->size()) {
   cap_ = roundUp(std::max<size_t>(eagerMaxBytes(), 1), kLine);
-  slot_bytes_ = sizeof(Header) + cap_;
+  static_assert(sizeof(Header) == 40, "the payload starts 8-byte aligned inside the header's line");
+  slot_bytes_ = roundUp(sizeof(Header) + cap_, kLine);  // every header starts a line
   known_done_.assign(size_, 0);
   const unsigned cores = std::thread::hardware_concurrency();
   if (cores == 0 || static_cast<unsigned>(comm_->localSize()) <= cores)
@@ -127,7 +134,7 @@ EagerChannel::Header* EagerChannel::header(int rank, uint64_t seq) const {
 }
 
 char* EagerChannel::payload(int rank, uint64_t seq) const {
-  return reinterpret_cast<char*>(header(rank, seq) + 1);
+  return reinterpret_cast<char*>(header(rank, seq)) + sizeof(Header);
 }
 
 uint64_t* EagerChannel::doneWord(int rank) const {
@@ -346,15 +353,15 @@ void EagerChannel::complete(const CollArgs& a, uint64_t seq, Deadline deadline) 
   const CallCheckMode mode = checker_ ? checker_->mode() : CallCheckMode::kOff;
   const int p = size_, r = rank_;
   const size_t n = a.count, blk = n * elementSize(a.type);
-  const CallSignature mine = CallSignature::of(a, seq, false);
+  const Header* own = header(r, seq);  // this call's signature, as publish() stored it
 
   // Every peer's header: the data is there and the calls compare (the mismatch check).
   bool agree = true;
   std::vector<int> checked_path;
   std::vector<CallSignature> calls;
+  CallSignature theirs;
   for (int i = 1; i < p; ++i) {
     const int q = (r + i) % p;
-    CallSignature theirs;
     if (!awaitPeer(q, seq, deadline, &theirs)) {
       if (calls.empty()) calls.resize(p);
       calls[q] = theirs;
@@ -363,11 +370,12 @@ void EagerChannel::complete(const CollArgs& a, uint64_t seq, Deadline deadline) 
       continue;
     }
     const Header* h = header(q, seq);
-    if (h->coll != mine.coll || h->type != mine.type || h->op != mine.op || h->root != mine.root ||
-        h->count != mine.count)
+    if (h->coll != own->coll || h->type != own->type || h->op != own->op || h->root != own->root ||
+        h->count != own->count)
       agree = false;
   }
   if (!agree) {
+    const CallSignature mine = CallSignature::of(a, seq, false);
     if (calls.empty()) calls.resize(p);
     calls[r] = mine;
     for (int q = 0; q < p; ++q)

@@ -54,6 +54,8 @@ size_t eagerMaxBytes();
 // The "eager" entries of the host algorithm registry (their `run` is not called: the
 // queue runs eager calls through EagerChannel, which needs the sequence number).
 void registerEagerAlgorithms(std::deque<Algorithm>& out);
+// Whether the eager algorithm applies to this call (its `applies`, without the reason).
+bool eagerFits(const CollArgs& a, const Communicator& comm);
 bool isEagerAlgorithm(const Algorithm* a);
 
 class EagerChannel {

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <fmt/format.h>
 #include <link.h>
+#include <time.h>
 
 #include <atomic>
 
@@ -23,7 +24,20 @@ namespace {
 // dlopen(RTLD_NOLOAD) still searches the library path (hundreds of failing openat
 // calls, 50-500 us), and every host collective asks for both buffers. The loader's
 // count of objects ever added only grows, so a miss stays valid until it changes.
+//
+// Reading that count takes the loader lock (~200 instructions, a fifth of a small
+// call's issue cost), so after a miss the loader is asked again only once
+// kDriverRecheckNs have passed. A device pointer needs the driver loaded, initialized
+// and a context with an allocation, which takes far longer than that window, so no
+// device buffer can reach a call in between.
+constexpr int64_t kDriverRecheckNs = 2'000'000;
+
 void* loadedLibcuda() {
+  static std::atomic<int64_t> next_look_ns{0};
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);  // vDSO, no system call
+  const int64_t now_ns = ts.tv_sec * 1'000'000'000LL + ts.tv_nsec;
+  if (now_ns < next_look_ns.load(std::memory_order_relaxed)) return nullptr;
   static std::atomic<unsigned long long> missed_at{~0ull};
   unsigned long long adds = 0;
   dl_iterate_phdr(
@@ -32,9 +46,12 @@ void* loadedLibcuda() {
         return 1;
       },
       &adds);
-  if (adds == missed_at.load(std::memory_order_relaxed)) return nullptr;
-  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  if (!h) missed_at.store(adds, std::memory_order_relaxed);
+  void* h = adds == missed_at.load(std::memory_order_relaxed) ? nullptr
+                                                               : dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (!h) {
+    missed_at.store(adds, std::memory_order_relaxed);
+    next_look_ns.store(now_ns + kDriverRecheckNs, std::memory_order_relaxed);
+  }
   return h;
 }
 
