@@ -259,6 +259,10 @@ struct Queue {
   Clock::time_point last_end{};  // when the last queued operation finished
   std::exception_ptr sticky;
   std::string sticky_op;
+  // Readable without `m` by the issuing thread (under the issue lock, so nothing can be
+  // queued meanwhile): Works queued and not finished, and whether `sticky` is set.
+  std::atomic<uint32_t> pending{0};
+  std::atomic<bool> failed{false};
   int rank = -1;
   std::shared_ptr<const Shared> shared;  // set before the worker starts
 
@@ -282,9 +286,19 @@ struct Queue {
     w->timeout = timeout;
     w->ahead = static_cast<uint32_t>(items.size() + (executing ? 1 : 0));
     items.push_back(w);
+    pending.fetch_add(1, std::memory_order_relaxed);
     if (stamp) {
       w->enqueued = Clock::now();
       wakeWorker();
+    }
+  }
+
+  // The first error is sticky (m held).
+  void noteError(WorkImpl& w, const std::exception_ptr& err) {
+    if (err && !sticky) {
+      sticky = err;
+      sticky_op = w.description();
+      failed.store(true, std::memory_order_release);
     }
   }
 
@@ -295,10 +309,8 @@ struct Queue {
     w.err = err;
     w.done = true;
     w.finished.store(true, std::memory_order_release);
-    if (err && !sticky) {
-      sticky = err;
-      sticky_op = w.description();
-    }
+    noteError(w, err);
+    pending.fetch_sub(1, std::memory_order_release);
     executing = false;
     cv.notify_all();
   }
@@ -667,6 +679,7 @@ struct Collectives::Impl {
   const Algorithm* eager_pick[kNumCollTypes] = {};  // plan(): the table's eager pick per collective
   Planned plan(CollArgs a, const CollOptions& o);
   WorkPtr submit(CollArgs a, const CollOptions& o);
+  WorkPtr runAlone(std::shared_ptr<WorkImpl> w, Millis timeout, std::unique_lock<std::mutex>& issue);
   Millis timeoutOf(const CollOptions& o) const { return o.timeout.count() > 0 ? o.timeout : comm->timeout(); }
 };
 
@@ -725,6 +738,8 @@ WorkPtr Collectives::Impl::submit(CollArgs a, const CollOptions& o) {
   if (recording) w->issued_ns = telemetry::nowNs();
   // Eager calls are tried right here (telemetry records operations from execute()).
   const bool try_now = !recording && w->op.eager;
+  if (try_now && q->pending.load(std::memory_order_acquire) == 0 && !q->failed.load(std::memory_order_acquire))
+    return runAlone(std::move(w), timeoutOf(o), issue);
   std::unique_lock<std::mutex> lk(q->m);
   q->push(w, timeoutOf(o), !try_now);
   issue.unlock();  // queued: later calls go behind it
@@ -740,6 +755,43 @@ WorkPtr Collectives::Impl::submit(CollArgs a, const CollOptions& o) {
       if (!(only_mine && w->eager_published)) q->wakeWorker();
     }
   }
+  return w;
+}
+
+// Nothing is queued or executing, and this thread holds the issue lock, so nothing can
+// be queued meanwhile: the call runs here without touching the queue (no queue lock,
+// no push and pop). Only a call that does not finish (a peer not there yet) or fails
+// goes through the queue's bookkeeping.
+WorkPtr Collectives::Impl::runAlone(std::shared_ptr<WorkImpl> w, Millis timeout,
+                                    std::unique_lock<std::mutex>& issue) {
+  w->timeout = timeout;
+  w->started = true;
+  std::exception_ptr err;
+  bool finished = true;
+  try {
+    finished = eager->tryRun(w->op.args, w->op.seq, &w->eager_published, true);
+  } catch (...) {
+    err = withPrefix(std::current_exception(), fmt::format("{}: ", w->description()));
+  }
+  if (finished && !err) {
+    w->done = true;  // not yet shared with any other thread
+    w->finished.store(true, std::memory_order_release);
+    return w;
+  }
+  std::unique_lock<std::mutex> lk(q->m);
+  if (finished) {  // failed: sticky for every later call
+    w->err = err;
+    w->done = true;
+    w->finished.store(true, std::memory_order_release);
+    q->noteError(*w, err);
+    return w;
+  }
+  q->push(w, timeout, false);  // published, or waiting for a free slot: the queue finishes it
+  issue.unlock();
+  w->enqueued = Clock::now();
+  // Published and the only call pending: the peers finish it without this rank, and
+  // this rank's next call, test() or wait() finishes it here (no wake-up on this core).
+  if (!w->eager_published) q->wakeWorker();
   return w;
 }
 
