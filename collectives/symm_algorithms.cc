@@ -598,6 +598,11 @@ void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const si
     if (!inplace) std::memcpy(out + rdsp[r] * es, in + sdsp[r] * es, scnt[r] * es);
   };
   if (rounds == 0) copyOwn();
+  // Large outputs are not read again soon: streaming stores skip the read-for-ownership
+  // of every receive line (as allgather and broadcast do from 8 MiB).
+  size_t received = 0;
+  for (int q = 0; q < p; ++q) received += rcnt[q] * es;
+  const bool nt = received >= (8u << 20);
   for (size_t k = 0; k < rounds; ++k) {
     const int h = s.halfOf(k);
     const size_t lo = k * C;
@@ -616,7 +621,7 @@ void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const si
       const int q = (r + i) % p;
       if (rcnt[q] <= lo) continue;
       s.wait(q, SymmStaging::kReady, x.deadline);
-      std::memcpy(out + (rdsp[q] + lo) * es, s.slot(q, h) + r * stride, std::min(C, rcnt[q] - lo) * es);
+      copyOut(out + (rdsp[q] + lo) * es, s.slot(q, h) + r * stride, std::min(C, rcnt[q] - lo) * es, nt);
       s.release(q);
     }
   }

@@ -250,3 +250,64 @@ TEST(StageCopy, BothStoreKindsCopyExactlyAndBeforeTheSignal) {
       },
       opts);
 }
+
+// Staged alltoall(v) copies its output out with streaming stores once a rank receives
+// 8 MiB or more: odd sizes, an unaligned receive buffer, in and out of place, many
+// chunks (small staging), 2 and 3 ranks; ranks below the threshold (alltoallv) keep
+// plain stores in the same call.
+TEST(SymmExchange, LargeOutputsStreamExactly) {
+  for (int p : {2, 3}) {
+    RunOptions opts;
+    opts.env["CROSSBAR_COLL_SYMM_BYTES"] = "1M";
+    opts.env["CROSSBAR_TIMEOUT"] = "60s";
+    runRanks(
+        p,
+        [](RankEnv& env) {
+          auto comm = env.communicator();
+          const int p = comm->size(), r = comm->rank();
+          Collectives coll(comm);
+          CollOptions o;
+          o.algorithm = "symm";
+          const size_t n = (size_t{9} << 20) / p + 7;  // per peer: >= 8 MiB received in all
+          std::vector<uint8_t> send(n * p), store(n * p + 64);
+          uint8_t* recv = store.data() + 3;  // not aligned for vector stores
+          for (int iter = 0; iter < 2; ++iter) {
+            const bool inplace = iter == 1;
+            fill(send, iter, r);
+            if (inplace) std::memcpy(recv, send.data(), n * p);
+            coll.alltoall(inplace ? recv : send.data(), recv, n, DataType::kUInt8, o)->wait();
+            for (int q = 0; q < p; ++q) {
+              long bad = firstWrong(recv + q * n, n, iter, q, r * n);
+              ASSERT_EQ(bad, -1) << (inplace ? "in place" : "out of place") << ", block of rank " << q
+                                 << " wrong at byte " << bad;
+            }
+          }
+          // alltoallv: every rank sends (q + 1) * m + q bytes to rank q, so rank 0 receives
+          // less than 8 MiB in all (plain stores) and the others more (streaming).
+          const size_t m = (size_t{7} << 20) / p;
+          auto cnt = [&](int q) { return (q + 1) * m + q; };
+          auto off = [&](int q) {  // where the block for rank q starts in every sender's buffer
+            size_t o = 0;
+            for (int j = 0; j < q; ++j) o += cnt(j);
+            return o;
+          };
+          std::vector<size_t> scnt(p), sdsp(p), rcnt(p), rdsp(p);
+          for (int q = 0; q < p; ++q) {
+            scnt[q] = cnt(q);
+            sdsp[q] = off(q);
+            rcnt[q] = cnt(r);
+            rdsp[q] = q * cnt(r);
+          }
+          std::vector<uint8_t> vsend(off(p)), vstore(p * cnt(r) + 64);
+          uint8_t* vrecv = vstore.data() + 5;
+          fill(vsend, 7, r);
+          coll.alltoallv(vsend.data(), scnt, sdsp, vrecv, rcnt, rdsp, DataType::kUInt8, o)->wait();
+          for (int q = 0; q < p; ++q) {
+            long bad = firstWrong(vrecv + rdsp[q], rcnt[q], 7, q, off(r));
+            ASSERT_EQ(bad, -1) << "alltoallv, block of rank " << q << " wrong at byte " << bad;
+          }
+          comm->destroy();
+        },
+        opts);
+  }
+}
