@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -87,12 +88,15 @@ TEST(MoeHostCodec, Nvfp4EveryCodeEveryBlockScale) {
 }
 
 template <class T>
-void expectEncodeSame(PayloadCodec c, const std::vector<T>& x, size_t hidden) {
+void expectEncodeSame(PayloadCodec c, const std::vector<T>& x, size_t hidden, const HostCodecIsa* isa = nullptr) {
   const size_t rows = x.size() / hidden, pb = payloadBytes(c, hidden), sb = scaleBytes(c, hidden) + 4;
   std::vector<uint8_t> wp(pb), ws(sb, 0), gp(pb), gs(sb, 0);
   for (size_t r = 0; r < rows; ++r) {
     quantizeRow(c, x.data() + r * hidden, hidden, wp.data(), ws.data(), 1.0f);
-    encodeRowHost(c, x.data() + r * hidden, hidden, gp.data(), gs.data(), 1.0f);
+    if (isa)
+      encodeRowHost(*isa, c, x.data() + r * hidden, hidden, gp.data(), gs.data(), 1.0f);
+    else
+      encodeRowHost(c, x.data() + r * hidden, hidden, gp.data(), gs.data(), 1.0f);
     ASSERT_EQ(ws, gs) << "scales, codec " << static_cast<int>(c) << " row " << r << " hidden " << hidden;
     for (size_t i = 0; i < pb; ++i)
       ASSERT_EQ(wp[i], gp[i]) << "codec " << static_cast<int>(c) << " row " << r << " element " << i
@@ -103,13 +107,20 @@ void expectEncodeSame(PayloadCodec c, const std::vector<T>& x, size_t hidden) {
 // Every bf16 pattern (NaN, Inf, subnormals, zeros) in every block position, blocks mixing
 // magnitudes so that elements land on both sides of E4M3's subnormal boundary; then
 // random f32 rows over many exponents, with ties and exact block maxima.
-TEST(MoeHostCodec, EncodeMatchesQuantizeRow) {
+void encodeMatchesQuantizeRow(const HostCodecIsa* isa) {
   for (PayloadCodec c : {PayloadCodec::kFp8Block128, PayloadCodec::kMxfp8}) {
     for (size_t stride : {size_t{1}, size_t{97}, size_t{4099}}) {
       std::vector<BFloat16> x(65536);
       for (size_t i = 0; i < x.size(); ++i) x[i] = BFloat16::fromBits(static_cast<uint16_t>(i * stride));
-      expectEncodeSame(c, x, 128);
-      expectEncodeSame(c, x, 200);
+      expectEncodeSame(c, x, 128, isa);
+      expectEncodeSame(c, x, 200, isa);
+      // Every bf16 pattern as f32 too, and rows whose last block is partial in every way.
+      std::vector<float> xf(x.size());
+      for (size_t i = 0; i < x.size(); ++i) xf[i] = x[i].toFloat();
+      expectEncodeSame(c, xf, 128, isa);
+      for (size_t hidden : {size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{127}, size_t{129}, size_t{255}})
+        expectEncodeSame(c, std::vector<BFloat16>(x.begin(), x.begin() + static_cast<ptrdiff_t>(hidden * 64)),
+                         hidden, isa);
     }
     std::mt19937 rng(5);
     std::vector<float> f(7168 * 16);
@@ -119,8 +130,24 @@ TEST(MoeHostCodec, EncodeMatchesQuantizeRow) {
       if (i % 61 == 0) v = std::ldexp(1.0f + static_cast<float>(rng() % 16) / 16.0f, -12);  // ties near 2^-9
       f[i] = v;
     }
-    expectEncodeSame(c, f, 7168);
-    expectEncodeSame(c, f, 37);
+    expectEncodeSame(c, f, 7168, isa);
+    expectEncodeSame(c, f, 37, isa);
+  }
+}
+
+TEST(MoeHostCodec, EncodeMatchesQuantizeRow) {
+  encodeMatchesQuantizeRow(nullptr);  // the process's implementation (CROSSBAR_MOE_HOST_CODEC)
+}
+
+// Each implementation the CPU has, explicitly.
+TEST(MoeHostCodec, EveryIsaEncodeMatchesQuantizeRow) {
+  for (HostCodecIsa isa : {HostCodecIsa::kScalar, HostCodecIsa::kAvx2}) {
+    if (!hostCodecIsaSupported(isa)) {
+      std::printf("skipping %s: not supported by this CPU or build\n", hostCodecIsaName(isa));
+      continue;
+    }
+    SCOPED_TRACE(hostCodecIsaName(isa));
+    encodeMatchesQuantizeRow(&isa);
   }
 }
 
