@@ -362,7 +362,14 @@ void Communicator::send(const void* data, size_t bytes, int peer, uint32_t tag) 
 
 Status Communicator::recv(void* data, size_t capacity, int peer, uint32_t tag) {
   auto req = irecv(data, capacity, peer, tag);
-  req->wait(defaultDeadline());
+  try {
+    req->wait(defaultDeadline());
+  } catch (const Timeout&) {
+    // Withdrawn, the caller's buffer is free and a late message goes to a later receive
+    // (one already arriving cannot be withdrawn: it finishes into the buffer).
+    req->cancel();
+    throw;
+  }
   Status st = req->status();
   // Report ranks of this communicator, not of the context (any-source: already so).
   if (peer != kAnySource) st.source = peer;

@@ -240,6 +240,34 @@ TEST_P(RecvCancel, SplitAbortWithdrawsItsReceives) {
       withRanksPerNode(GetParam()));
 }
 
+// A blocking recv that times out withdraws its receive: the buffer stays untouched and
+// the message sent afterwards reaches the next receive.
+TEST_P(RecvCancel, BlockingRecvTimeoutWithdrawsTheReceive) {
+  runRanks(
+      2,
+      [](RankEnv& env) {
+        CommOptions o;
+        o.timeout = Millis(200);
+        auto c = env.communicator(o);
+        const Deadline patient = Deadline::after(Millis(60'000));
+        auto first = filled(4, kUnwritten), second = filled(4, 0);
+        if (c->rank() == 0) {
+          EXPECT_THROW(c->recv(first.data(), first.size() * 8, 1, kTag), Timeout);
+          c->barrier(patient);  // now rank 1 sends
+          auto r = c->irecv(second.data(), second.size() * 8, 1, kTag);
+          r->wait(patient);
+          EXPECT_TRUE(all(second, 4));
+          EXPECT_TRUE(all(first, kUnwritten)) << "the timed-out receive's buffer was written";
+        } else {
+          c->barrier(patient);
+          auto msg = filled(4, 4);
+          c->isend(msg.data(), msg.size() * 8, 0, kTag)->wait(patient);
+        }
+        c->barrier(patient);
+      },
+      withRanksPerNode(GetParam()));
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, RecvCancel, ::testing::Values(0, 1),
                          [](const auto& info) { return info.param == 0 ? "shm" : "ucx"; });
 
