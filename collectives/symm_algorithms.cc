@@ -333,7 +333,12 @@ void twoShot(const CollArgs& a, RunContext& x, bool nt) {
     const size_t lo = k * C, m = std::min(C, n - lo);
     const Split sp = splitOf(m, p, es);
     s.acquire(h, x.deadline);
-    s.stageCopy(s.mine(h), ccp(a.send) + lo * es, m * es);
+    // Stage the blocks the peers reduce; this rank's own block is reduced from the user
+    // buffer, and its slot receives the reduced result below.
+    const char* in = ccp(a.send) + lo * es;
+    s.stageCopy(s.mine(h), in, sp.off(r) * es);
+    const size_t after = sp.off(r) + sp.len(r);
+    s.stageCopy(s.mine(h) + after * es, in + after * es, (m - after) * es);
     s.publishAll(h);
     s.waitAll(SymmStaging::kReady, x.deadline);
     // Own block: reduce into the (private) output, then stage the result for the
