@@ -247,9 +247,9 @@ const std::vector<SelectionRule>& selectionTable() {
       // One node: symmetric memory (symm_algorithms.cc). One-shot while reading every
       // peer's whole buffer is cheaper than a second synchronization round; streaming
       // output stores once the result no longer fits in cache with the staging.
-      // Two ranks: one-shot up to 4 MiB (each rank reads one peer: less traffic than
-      // two-shot and one round instead of two; measured faster 256K-4M).
-      {CollType::kAllreduce, 0, 4 * M, 2, 2, NodeScope::kSingle, "oneshot"},
+      // Two ranks too: since two-shot stages only the peer's half (session 6) it is
+      // faster from 64K (2 ranks, alternating runs: 64K 14.8 vs 17.7 us, 1M 121 vs 143,
+      // 4M 501 vs 641; docs/performance.md "Session 6").
       {CollType::kAllreduce, 0, 64 * K, 1, 8, NodeScope::kSingle, "oneshot"},
       {CollType::kAllreduce, 0, 1 * M, 1, kAnyRanks, NodeScope::kSingle, "twoshot"},
       {CollType::kAllreduce, 1 * M, kInf, 1, kAnyRanks, NodeScope::kSingle, "twoshot_nt"},
