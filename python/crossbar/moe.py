@@ -211,7 +211,8 @@ class Buffer:
         w = topk_weights.to(torch.float32).contiguous() if topk_weights is not None else None
         memory = out._memory if out is not None else None
         d = self._impl.dispatch(x.contiguous(), idx, w, handle, memory)
-        fields = {f.name: d[f.name] for f in dataclasses.fields(Dispatched) if f.name in d and not f.name.startswith("q_")}
+        names = [f.name for f in dataclasses.fields(Dispatched) if not f.name.startswith("q_")]
+        fields = {name: d[name] for name in names if name in d}
         out = Dispatched(**fields, _memory=d.get("memory"))
         if "q_payload" in d:
             p, s = d["q_payload"], d["q_scales"]
