@@ -87,6 +87,40 @@ TEST(MoeHostCodec, Nvfp4EveryCodeEveryBlockScale) {
           g, 3);
 }
 
+// Blocks without NaN codes and with finite scales (the AVX2 decoder's path without NaN
+// selects): every other code in every position, scales from subnormal to huge (products
+// overflowing to Inf), zero and negative, partial blocks; then one NaN code or a NaN / Inf
+// scale per row to switch blocks back to the general path.
+TEST(MoeHostCodec, DecodeNanFreeBlocksMatchesShared) {
+  std::mt19937 rng(11);
+  for (PayloadCodec c : {PayloadCodec::kFp8Block128, PayloadCodec::kMxfp8}) {
+    for (size_t hidden : {size_t{7168}, size_t{200}, size_t{37}}) {
+      std::vector<uint8_t> payload(payloadBytes(c, hidden)), scales(scaleBytes(c, hidden) + 4);
+      for (int round = 0; round < 64; ++round) {
+        for (size_t i = 0; i < payload.size(); ++i) {
+          uint8_t b = static_cast<uint8_t>(i * 5 + static_cast<size_t>(round) + rng() % 3);
+          payload[i] = (b & 0x7F) == 0x7F ? static_cast<uint8_t>(b - 1) : b;
+        }
+        if (round % 4 == 3) payload[rng() % payload.size()] = (rng() % 2) ? 0x7F : 0xFF;
+        if (c == PayloadCodec::kFp8Block128) {
+          auto* s = reinterpret_cast<float*>(scales.data());
+          for (size_t b = 0; b < scaleBytes(c, hidden) / 4; ++b) {
+            const float pick[] = {1.0f, 0.0f, -2.5f, std::ldexp(1.3f, -140), std::ldexp(1.7f, 120), 3e38f,
+                                  std::ldexp(1.0f, -126), 0.017f};
+            s[b] = round % 8 == 5 && b == 1 ? std::numeric_limits<float>::infinity()
+                   : round % 8 == 6 && b == 0 ? std::numeric_limits<float>::quiet_NaN()
+                                              : pick[(b + static_cast<size_t>(round)) % 8];
+          }
+        } else {
+          for (size_t b = 0; b < scaleBytes(c, hidden); ++b) scales[b] = static_cast<uint8_t>(rng() % 256);
+        }
+        expectSameAsShared<float>(c, hidden, payload, scales, 1.0f);
+        expectSameAsShared<BFloat16>(c, hidden, payload, scales, 1.0f);
+      }
+    }
+  }
+}
+
 template <class T>
 void expectEncodeSame(PayloadCodec c, const std::vector<T>& x, size_t hidden, const HostCodecIsa* isa = nullptr) {
   const size_t rows = x.size() / hidden, pb = payloadBytes(c, hidden), sb = scaleBytes(c, hidden) + 4;
