@@ -252,6 +252,9 @@ CROSSBAR_AVX2 BlockAmax amaxOf(const T* x, int count) {
 }
 
 // scalar::e4m3Block's code for eight already-scaled values (32-bit lanes, 0..255).
+// kMayBeNan = false: the caller knows no lane is NaN (a block without NaN/Inf, divided by a
+// finite scale or multiplied by a power of two that keeps it finite): the NaN select goes.
+template <bool kMayBeNan = true>
 CROSSBAR_AVX2 inline __m256i e4m3Codes(__m256 v) {
   const __m256i vb = _mm256_castps_si256(v);
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(vb, 24), set1(0x80u));
@@ -265,8 +268,10 @@ CROSSBAR_AVX2 inline __m256i e4m3Codes(__m256 v) {
   const __m256i is_sub = _mm256_cmpgt_epi32(set1(121u << 23), a);
   __m256i code = _mm256_blendv_epi8(normal, sub, is_sub);
   code = _mm256_min_epu32(code, set1(0x7Eu));  // saturate (Inf included)
-  const __m256i is_nan = _mm256_cmpgt_epi32(a, set1(0x7F800000u));
-  code = _mm256_or_si256(code, _mm256_and_si256(is_nan, set1(0x7Fu)));  // code <= 0x7E: or gives 0x7F
+  if constexpr (kMayBeNan) {
+    const __m256i is_nan = _mm256_cmpgt_epi32(a, set1(0x7F800000u));
+    code = _mm256_or_si256(code, _mm256_and_si256(is_nan, set1(0x7Fu)));  // code <= 0x7E: or gives 0x7F
+  }
   return _mm256_or_si256(sign, code);
 }
 
@@ -290,21 +295,21 @@ CROSSBAR_AVX2 inline __m256 scaled(const T* x, int n, __m256 div, __m256 mul, bo
   return divide ? _mm256_div_ps(v, div) : _mm256_mul_ps(v, mul);
 }
 
-template <class T>
+template <bool kMayBeNan, class T>
 CROSSBAR_AVX2 void e4m3Block(const T* x, int count, float div, float mul, uint8_t* q) {
   const bool divide = mul == 1.0f;  // fp8 block-128 divides (x * 1 == x), MXFP8 multiplies
   const __m256 vd = _mm256_set1_ps(div), vm = _mm256_set1_ps(mul);
   int i = 0;
   for (; i + 32 <= count; i += 32) {
-    const __m256i c0 = e4m3Codes(scaled(x + i, 8, vd, vm, divide));
-    const __m256i c1 = e4m3Codes(scaled(x + i + 8, 8, vd, vm, divide));
-    const __m256i c2 = e4m3Codes(scaled(x + i + 16, 8, vd, vm, divide));
-    const __m256i c3 = e4m3Codes(scaled(x + i + 24, 8, vd, vm, divide));
+    const __m256i c0 = e4m3Codes<kMayBeNan>(scaled(x + i, 8, vd, vm, divide));
+    const __m256i c1 = e4m3Codes<kMayBeNan>(scaled(x + i + 8, 8, vd, vm, divide));
+    const __m256i c2 = e4m3Codes<kMayBeNan>(scaled(x + i + 16, 8, vd, vm, divide));
+    const __m256i c3 = e4m3Codes<kMayBeNan>(scaled(x + i + 24, 8, vd, vm, divide));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), narrow32(c0, c1, c2, c3));
   }
   for (; i < count; i += 8) {
     const int n = count - i < 8 ? count - i : 8;
-    const uint64_t bytes = narrow8(e4m3Codes(scaled(x + i, n, vd, vm, divide)));
+    const uint64_t bytes = narrow8(e4m3Codes<kMayBeNan>(scaled(x + i, n, vd, vm, divide)));
     std::memcpy(q + i, &bytes, static_cast<size_t>(n));
   }
 }
@@ -353,10 +358,11 @@ CROSSBAR_AVX2 uint8_t mxfp8FullBlock(const T* x, uint8_t* q) {
       mxfp8Scale(BlockAmax{scalar::asFloat(static_cast<uint32_t>(_mm_cvtsi128_si32(h))), false});
   // mxfp8Encode's exact multiply by 2^(127 - scale).
   const __m256 inv = _mm256_castsi256_ps(set1(static_cast<uint32_t>(254 - scale) << 23));
-  const __m256i c0 = e4m3Codes(_mm256_mul_ps(_mm256_castsi256_ps(v0), inv));
-  const __m256i c1 = e4m3Codes(_mm256_mul_ps(_mm256_castsi256_ps(v1), inv));
-  const __m256i c2 = e4m3Codes(_mm256_mul_ps(_mm256_castsi256_ps(v2), inv));
-  const __m256i c3 = e4m3Codes(_mm256_mul_ps(_mm256_castsi256_ps(v3), inv));
+  // Finite values times 2^(127 - scale), below 2^9: no NaN lane.
+  const __m256i c0 = e4m3Codes<false>(_mm256_mul_ps(_mm256_castsi256_ps(v0), inv));
+  const __m256i c1 = e4m3Codes<false>(_mm256_mul_ps(_mm256_castsi256_ps(v1), inv));
+  const __m256i c2 = e4m3Codes<false>(_mm256_mul_ps(_mm256_castsi256_ps(v2), inv));
+  const __m256i c3 = e4m3Codes<false>(_mm256_mul_ps(_mm256_castsi256_ps(v3), inv));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), narrow32(c0, c1, c2, c3));
   return scale;
 }
@@ -394,8 +400,13 @@ CROSSBAR_AVX2 void encodeRow(PayloadCodec codec, const T* x, size_t hidden, uint
       auto* s = static_cast<float*>(scales);
       for (size_t b = 0, i = 0; i < hidden; ++b, i += kFp8BlockSize) {
         const int count = blockCount(hidden, i, kFp8BlockSize);
-        s[b] = fp8BlockScale(amaxOf(x + i, count));
-        e4m3Block(x + i, count, s[b], 1.0f, payload + i);
+        const BlockAmax a = amaxOf(x + i, count);
+        s[b] = fp8BlockScale(a);
+        // Without NaN/Inf in the block, x / scale is finite (|x / scale| <= ~448): no NaN lane.
+        if (a.nonFinite)
+          e4m3Block<true>(x + i, count, s[b], 1.0f, payload + i);
+        else
+          e4m3Block<false>(x + i, count, s[b], 1.0f, payload + i);
       }
       return;
     }
@@ -414,7 +425,7 @@ CROSSBAR_AVX2 void encodeRow(PayloadCodec codec, const T* x, size_t hidden, uint
         }
         // mxfp8Encode's exact multiply by 2^(127 - scale) (e4m3Block divides only when the
         // factor is 1, which gives the same result).
-        e4m3Block(x + i, count, 1.0f, scalar::asFloat(static_cast<uint32_t>(254 - s[b]) << 23), payload + i);
+        e4m3Block<true>(x + i, count, 1.0f, scalar::asFloat(static_cast<uint32_t>(254 - s[b]) << 23), payload + i);
       }
       return;
     }
