@@ -520,9 +520,9 @@ void validate(const CollArgs& a, const Communicator& c) {
   if (hasRoot(a.coll) && (a.root < 0 || a.root >= p))
     fail(fmt::format("root {} is out of range for a communicator of {} ranks", a.root, p));
   const size_t es = elementSize(a.type);
-  const size_t limit = std::numeric_limits<size_t>::max() / es / static_cast<size_t>(p);
-  if (a.count > limit) fail(fmt::format("count {} x {} ranks overflows the address space", a.count, p));
-  const size_t blk = a.count * es, all = blk * p;
+  size_t blk = 0, all = 0;  // overflow checked by multiplication (two divisions cost more than a small call's validation)
+  if (__builtin_mul_overflow(a.count, es, &blk) || __builtin_mul_overflow(blk, static_cast<size_t>(p), &all))
+    fail(fmt::format("count {} x {} ranks overflows the address space", a.count, p));
   auto need = [&](const void* ptr, size_t bytes, const char* which) {
     if (!ptr && bytes) fail(fmt::format("{} buffer is null but must hold {} bytes", which, bytes));
     // Reductions read and write typed elements: a misaligned address is undefined
@@ -677,13 +677,14 @@ struct Collectives::Impl {
   std::shared_ptr<WorkImpl> group_work;
   std::shared_ptr<CudaRoute> cuda_route;  // device memory: collectives/cuda/route.h
   const Algorithm* eager_pick[kNumCollTypes] = {};  // plan(): the table's eager pick per collective
-  Planned plan(CollArgs a, const CollOptions& o);
-  WorkPtr submit(CollArgs a, const CollOptions& o);
+  // Validates, selects and numbers `a` into `out` (moved in once: no copies per call).
+  void plan(CollArgs&& a, const CollOptions& o, Planned& out);
+  WorkPtr submit(CollArgs&& a, const CollOptions& o);
   WorkPtr runAlone(std::shared_ptr<WorkImpl> w, Millis timeout, std::unique_lock<std::mutex>& issue);
   Millis timeoutOf(const CollOptions& o) const { return o.timeout.count() > 0 ? o.timeout : comm->timeout(); }
 };
 
-Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
+void Collectives::Impl::plan(CollArgs&& a, const CollOptions& o, Planned& pl) {
   validate(a, *comm);
   Selection s;
   const int c = static_cast<int>(a.coll);
@@ -708,7 +709,6 @@ Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
     h->inter = comm->split(comm->localRank(), comm->node());
     hier = std::move(h);
   }
-  Planned pl;
   pl.args = std::move(a);
   pl.algo = s.algorithm;
   pl.eager = eager;
@@ -719,20 +719,20 @@ Planned Collectives::Impl::plan(CollArgs a, const CollOptions& o) {
     pl.tag = opTag(seq++);
   }
   CB_INFO("coll", "{}: #{} {} [{}]", comm->name(), pl.seq, pl.describe(), s.reason);
-  return pl;
 }
 
-WorkPtr Collectives::Impl::submit(CollArgs a, const CollOptions& o) {
+WorkPtr Collectives::Impl::submit(CollArgs&& a, const CollOptions& o) {
   std::unique_lock<std::mutex> issue(issue_m);
   if (WorkPtr w = routeToCuda(cuda_route, comm, a, o, group_depth > 0)) return w;
-  Planned pl = plan(std::move(a), o);
   if (group_depth > 0) {
+    Planned pl;
+    plan(std::move(a), o, pl);
     group_work->timeout = std::max(group_work->timeout, timeoutOf(o));
     group.push_back(std::move(pl));
     return group_work;
   }
   auto w = std::make_shared<WorkImpl>(q);
-  w->op = std::move(pl);
+  plan(std::move(a), o, w->op);
   w->hier = hier.get();
   const bool recording = telemetry::Recorder::instance().enabled();
   if (recording) w->issued_ns = telemetry::nowNs();
