@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <thread>
 
@@ -51,7 +52,8 @@ SymmStaging::SymmStaging(std::shared_ptr<Communicator> comm, size_t bytes, size_
   o.name = "coll";
   o.remote_access = false;  // intra-node only: what crosses nodes goes over point-to-point
   heap_ = symm::SymmetricHeap::create(comm_, o);
-  const size_t meta_bytes = roundUp(sizeof(MetaHeader) + sizeof(MetaEntry) * size_, 4096);
+  const size_t meta_bytes =
+      roundUp(sizeof(MetaHeader) + sizeof(MetaEntry) * size_ + sizeof(DirectEntry) * 2 * size_, 4096);
   buf_ = heap_.allocate(2 * half_ + meta_bytes);
   owed_.resize(size_);
   seen_.assign(static_cast<size_t>(kChannels) * size_, 0);
@@ -135,6 +137,53 @@ void SymmStaging::readPosted(int owner, void* dst, size_t bytes, Deadline deadli
   if (bytes)
     cma::read(static_cast<pid_t>(pids_[owner]), dst, reinterpret_cast<const void*>(addr), bytes, rank_, owner,
               op);
+}
+
+namespace {
+std::atomic<uint64_t> direct_reads{0};
+}  // namespace
+
+uint64_t symmDirectReads() {
+  return direct_reads.load(std::memory_order_relaxed);
+}
+
+SymmStaging::Direct SymmStaging::directSource(const void* p, size_t bytes) const {
+  if (!bytes) return {};
+  symm::BufferRange found = symm::findBuffer(p, bytes);
+  // Another communicator's heap may lack some of our peers (or map them elsewhere).
+  if (!found.buffer || found.buffer->memoryKind() != symm::MemoryKind::kHost ||
+      !found.buffer->createdOver(*comm_))
+    return {};
+  return {std::move(found.buffer), found.offset};
+}
+
+void SymmStaging::announce(int h, int reader, const Direct& d, size_t bytes) {
+  DirectEntry* e = directEntry(rank_, h, reader);
+  if (!d.buffer) {
+    e->direct = 0;
+    return;
+  }
+  *e = DirectEntry{1, d.buffer->heapId(), d.buffer->id(), d.offset, bytes};
+}
+
+const char* SymmStaging::announced(int owner, int h, size_t bytes, const char* op) {
+  const DirectEntry e = *directEntry(owner, h, rank_);
+  if (!e.direct) return nullptr;
+  auto b = symm::findBuffer(e.heap_id, e.buffer_id);
+  if (!b || !b->createdOver(*comm_))
+    throw InvalidUsage(
+        fmt::format("{}rank {} sends from its symmetric buffer #{} of heap #{}, which this rank has already "
+                    "freed (or did not allocate over this communicator); free symmetric buffers only after "
+                    "every collective that uses them, in the same order on every rank",
+                    errorContext(rank_, op), owner, e.buffer_id, e.heap_id),
+        {owner});
+  if (e.bytes != bytes || e.offset + bytes > b->size())
+    throw InvalidUsage(fmt::format("{}rank {} sends {} bytes to this rank, which expects {}; do the counts match "
+                                   "on every rank?",
+                                   errorContext(rank_, op), owner, e.bytes, bytes),
+                       {owner});
+  direct_reads.fetch_add(1, std::memory_order_relaxed);
+  return b->peer<const char>(owner, e.offset);
 }
 
 void SymmStaging::wait(int peer, int channel, Deadline deadline) {
@@ -413,28 +462,45 @@ void symmReduceScatter(SymmStaging& s, const RunContext& x, const void* in, void
 
 // Every rank's `mine` (len[r] elements) lands at out + off[r] on every rank.
 void symmAllgather(SymmStaging& s, const RunContext& x, const void* mine, void* out, const Blocks& B,
-                   DataType t, bool nt) {
+                   DataType t, bool nt, bool zero_copy) {
   const int p = s.size(), r = s.rank();
   const size_t es = elementSize(t);
   const size_t C = chunkElems(s.chunkBytes(), es);
   const size_t K = ceilDiv(B.maxLen(), C);
+  // Zero copy: `mine` is read in place by every peer (symm_staging.h), nothing is staged.
+  const SymmStaging::Direct d = zero_copy ? s.directSource(mine, B.len[r] * es) : SymmStaging::Direct{};
+  const bool direct = d.buffer != nullptr;
+  std::vector<const char*> in_place(p, nullptr);  // owners whose whole block was read in place
   // The own block first: the staging copy then reads a source in cache (copying it
   // after publishing, as alltoall does, measured no faster here: session 6).
   if (ccp(mine) != cp(out) + B.off[r] * es) copyOut(cp(out) + B.off[r] * es, mine, B.len[r] * es, nt);
   for (size_t k = 0; k < K; ++k) {
     const int h = s.halfOf(k);
     const size_t lo = k * C;
-    s.acquire(h, x.deadline);
-    if (B.len[r] > lo) s.stageCopy(s.mine(h), ccp(mine) + lo * es, std::min(C, B.len[r] - lo) * es);
-    s.publishAll(h);
+    if (k == 0 || !direct) {
+      s.acquire(h, x.deadline);
+      if (k == 0)
+        for (int q = 0; q < p; ++q)
+          if (q != r) s.announce(h, q, d, B.len[r] * es);
+      if (!direct && B.len[r] > lo)
+        s.stageCopy(s.mine(h), ccp(mine) + lo * es, std::min(C, B.len[r] - lo) * es);
+      s.publishAll(h);
+    }
     for (int i = 1; i < p; ++i) {
       const int q = (r + i) % p;
+      if (in_place[q]) continue;
       s.wait(q, SymmStaging::kReady, x.deadline);
-      if (B.len[q] > lo)
+      if (k == 0 && (in_place[q] = s.announced(q, h, B.len[q] * es, "allgather"))) {
+        copyOut(cp(out) + B.off[q] * es, in_place[q], B.len[q] * es, nt);
+      } else if (B.len[q] > lo) {
         copyOut(cp(out) + (B.off[q] + lo) * es, s.slot(q, h), std::min(C, B.len[q] - lo) * es, nt);
+      }
       s.release(q);
     }
   }
+  // Every reader is done with `mine` (their FREEs for the first chunk's half) before
+  // the caller may overwrite it.
+  if (direct && K > 0) s.acquire(s.halfOf(0), x.deadline);
   s.advance(K);
 }
 
@@ -448,7 +514,7 @@ void reduceScatterSymm(const CollArgs& a, RunContext& x) {
 void allgatherSymm(const CollArgs& a, RunContext& x) {
   SymmStaging& s = staging(*x.comm, x);
   symmAllgather(s, x, a.send, a.recv, uniformBlocks(a.count, s.size()), a.type,
-                a.count * elementSize(a.type) * s.size() >= (8u << 20));
+                a.count * elementSize(a.type) * s.size() >= (8u << 20), true);
 }
 
 // Hierarchical: intra-node reduce-scatter over symmetric memory -> allreduce of my
@@ -583,8 +649,11 @@ void scatterSymm(const CollArgs& a, RunContext& x) {
 // counts, so ranks with less to move finish early. Round k uses half base + k; the
 // base is not advanced (the round count is not agreed globally): acquire() tracks
 // which half each reader still holds, which is all the next operation needs.
+// Zero copy (`zero_copy`, symm_staging.h): an owner whose whole input lies in a
+// symmetric buffer lets each reader copy its block in place; not in place (the owner
+// overwrites its input blocks with what it receives while peers may still read them).
 void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const size_t* sdsp,
-                  const size_t* rcnt, const size_t* rdsp) {
+                  const size_t* rcnt, const size_t* rdsp, bool zero_copy = false) {
   SymmStaging& s = staging(*x.comm, x);
   const int p = s.size(), r = s.rank();
   const size_t es = elementSize(a.type);
@@ -592,9 +661,14 @@ void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const si
   const char* in = ccp(a.send);
   char* out = cp(a.recv);
   const bool inplace = a.send == a.recv;
-  size_t rounds = 0;
-  for (int q = 0; q < p; ++q)
+  size_t rounds = 0, extent = 0;
+  for (int q = 0; q < p; ++q) {
     if (q != r) rounds = std::max({rounds, ceilDiv(scnt[q], C), ceilDiv(rcnt[q], C)});
+    extent = std::max(extent, (sdsp[q] + scnt[q]) * es);
+  }
+  const SymmStaging::Direct d = zero_copy && !inplace ? s.directSource(in, extent) : SymmStaging::Direct{};
+  const bool direct = d.buffer != nullptr;
+  std::vector<const char*> in_place(p, nullptr);  // owners whose whole block was read in place
   // The own block is copied once the first round is published, so a late peer's wait
   // overlaps it (and an early peer is not kept waiting for it).
   auto copyOwn = [&] {
@@ -611,30 +685,40 @@ void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const si
     const size_t lo = k * C;
     bool any = false;
     for (int q = 0; q < p; ++q) any |= q != r && scnt[q] > lo;
-    if (any) {
+    if (any && (k == 0 || !direct)) {
       s.acquire(h, x.deadline);
       for (int q = 0; q < p; ++q) {
         if (q == r || scnt[q] <= lo) continue;
-        s.stageCopy(s.mine(h) + q * stride, in + (sdsp[q] + lo) * es, std::min(C, scnt[q] - lo) * es);
+        if (k == 0)
+          s.announce(h, q, direct ? SymmStaging::Direct{d.buffer, d.offset + sdsp[q] * es} : SymmStaging::Direct{},
+                     scnt[q] * es);
+        if (!direct)
+          s.stageCopy(s.mine(h) + q * stride, in + (sdsp[q] + lo) * es, std::min(C, scnt[q] - lo) * es);
         s.publish(h, q);
       }
     }
     if (k == 0) copyOwn();
     for (int i = 1; i < p; ++i) {
       const int q = (r + i) % p;
-      if (rcnt[q] <= lo) continue;
+      if (rcnt[q] <= lo || in_place[q]) continue;
       s.wait(q, SymmStaging::kReady, x.deadline);
-      copyOut(out + (rdsp[q] + lo) * es, s.slot(q, h) + r * stride, std::min(C, rcnt[q] - lo) * es, nt);
+      if (k == 0 && (in_place[q] = s.announced(q, h, rcnt[q] * es, "alltoall")))
+        copyOut(out + rdsp[q] * es, in_place[q], rcnt[q] * es, nt);
+      else
+        copyOut(out + (rdsp[q] + lo) * es, s.slot(q, h) + r * stride, std::min(C, rcnt[q] - lo) * es, nt);
       s.release(q);
     }
   }
+  // Every reader is done with the input (their FREEs for round 0's half) before the
+  // caller may overwrite it.
+  if (direct && rounds > 0) s.acquire(s.halfOf(0), x.deadline);
 }
 
 void alltoallSymm(const CollArgs& a, RunContext& x) {
   const int p = x.comm->size();
   std::vector<size_t> cnt(p, a.count), dsp(p);
   for (int i = 0; i < p; ++i) dsp[i] = a.count * i;
-  exchangeSymm(a, x, cnt.data(), dsp.data(), cnt.data(), dsp.data());
+  exchangeSymm(a, x, cnt.data(), dsp.data(), cnt.data(), dsp.data(), true);
 }
 
 void alltoallvSymm(const CollArgs& a, RunContext& x) {

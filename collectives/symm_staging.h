@@ -18,6 +18,16 @@
 // process_vm_readv (readPosted: DONE signal back). The owner waits for every reader's
 // DONE before its operation completes (waitReaders), so the caller may reuse the
 // buffer as soon as the Work completes; the slot is then free for the next operation.
+//
+// Zero copy (allgather, alltoall): an owner whose input already lies in a symmetric
+// buffer allocated over this same communicator (every rank maps it) does not stage it.
+// With its first chunk's READY (half h, after acquire(h)) every owner announces per
+// reader whether that block is staged or "direct at (buffer, offset)"; a reader of a
+// direct owner copies the whole block from its mapping of that buffer and sends the
+// FREE it owes for half h. The owner's acquire(h) before it returns waits for those
+// FREEs, so the caller may overwrite its input once the operation completes. The
+// announcement sits in the owner's metadata per half, so a reader still reading the
+// previous announcement of the other half is never overtaken.
 #pragma once
 
 #include <algorithm>
@@ -95,6 +105,20 @@ class SymmStaging {
   // Owner: waits for DONE from `reader` (one per post to it).
   void waitReader(int reader, Deadline deadline) { wait(reader, kDone, deadline); }
 
+  // Zero copy (see the top). The symmetric buffer holding all of [p, p + bytes), if it is
+  // host memory allocated over this communicator; null buffer: stage as usual.
+  struct Direct {
+    std::shared_ptr<symm::SymmetricBuffer> buffer;
+    size_t offset = 0;
+  };
+  Direct directSource(const void* p, size_t bytes) const;
+  // Owner, after acquire(h) and before publish(h, reader): `reader`'s block of this
+  // operation is `bytes` at d.offset of d.buffer (or staged when d.buffer is null).
+  void announce(int h, int reader, const Direct& d, size_t bytes);
+  // Reader, after the owner's READY for half h: where to copy the owner's block from in
+  // place (`bytes` long), or nullptr when it is staged. `op` names the operation in errors.
+  const char* announced(int owner, int h, size_t bytes, const char* op);
+
  private:
   struct MetaHeader {
     uint64_t pid, token_addr, token, probe_ok;
@@ -102,9 +126,15 @@ class SymmStaging {
   struct MetaEntry {
     uint64_t addr, bytes;
   };
+  struct DirectEntry {  // zero copy: [half][reader] after the MetaEntry array
+    uint64_t direct, heap_id, buffer_id, offset, bytes;
+  };
   MetaHeader* meta(int rank) const;
   MetaEntry* entry(int owner, int reader) const {
     return reinterpret_cast<MetaEntry*>(meta(owner) + 1) + reader;
+  }
+  DirectEntry* directEntry(int owner, int h, int reader) const {
+    return reinterpret_cast<DirectEntry*>(entry(owner, size_)) + h * size_ + reader;
   }
   void probeCma(Deadline deadline);
 
@@ -124,6 +154,10 @@ class SymmStaging {
   uint64_t stage_copies_ = 0;
   uint64_t token_ = 0;         // read by peers in the probe
 };
+
+// Blocks this process read in place from peers' symmetric input (zero copy), all staging
+// areas together: tests and telemetry check that the direct path was taken.
+uint64_t symmDirectReads();
 
 // The staging areas of one Collectives, by communicator (the whole one, or the
 // intra-node one of the hierarchical algorithms), created at first use.
@@ -150,10 +184,11 @@ struct Blocks {
 // one block per rank of it). symmReduceScatter: rank r's `out` (len[r] elements) =
 // reduce over ranks of their input block r (full op: premul scaling, avg division).
 // symmAllgather: every rank's `mine` (len[r] elements) lands at out + off[r] on every
-// rank (`nt`: streaming stores).
+// rank (`nt`: streaming stores; `zero_copy`: peers read `mine` in place when it lies in
+// a symmetric buffer of this communicator).
 void symmReduceScatter(SymmStaging& s, const RunContext& x, const void* in, void* out, const Blocks& B,
                        DataType t, ReduceOp op, const ReduceParams& prm);
 void symmAllgather(SymmStaging& s, const RunContext& x, const void* mine, void* out, const Blocks& B,
-                   DataType t, bool nt);
+                   DataType t, bool nt, bool zero_copy = false);
 
 }  // namespace crossbar

@@ -213,6 +213,8 @@ using detail::HeapImpl;
 using detail::RemoteRegion;
 
 namespace {
+void registerBuffer(const std::shared_ptr<SymmetricBuffer>& b);  // findBuffer() (below)
+void unregisterBuffer(const SymmetricBuffer* b);
 // The endpoint to `peer` (with r.rkey still valid); call with r.ctx->mutex() held and
 // use the result only under it. Throws once the endpoint was closed.
 ucp_ep_h liveEndpoint(const RemoteRegion& r, const HeapImpl& heap, int peer, std::string_view op) {
@@ -480,8 +482,57 @@ std::shared_ptr<SymmetricBuffer> HeapImpl::allocate(std::shared_ptr<HeapImpl> se
   }
   // Everyone local has our fd now; drop export resources (a buffer then costs no descriptor).
   b->own_->exportDone();
+  registerBuffer(b);
   CB_TRACE("symmem", "heap #{} buffer #{}: {} bytes, {}", id, bid, bytes, b->own_->describe());
   return b;
+}
+
+// -------------------------------------------------------------------------- registry
+
+namespace {
+struct Registered {
+  const SymmetricBuffer* key;
+  uintptr_t begin, end;
+  uint64_t heap_id, buffer_id;
+  std::weak_ptr<SymmetricBuffer> buffer;
+};
+struct Registry {
+  std::mutex mutex;
+  std::vector<Registered> entries;
+};
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: buffers may be freed during exit
+  return *r;
+}
+void registerBuffer(const std::shared_ptr<SymmetricBuffer>& b) {
+  const auto begin = reinterpret_cast<uintptr_t>(b->localPtr());
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.entries.push_back({b.get(), begin, begin + b->size(), b->heapId(), b->id(), b});
+}
+void unregisterBuffer(const SymmetricBuffer* b) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::erase_if(r.entries, [&](const Registered& e) { return e.key == b; });
+}
+}  // namespace
+
+BufferRange findBuffer(const void* ptr, size_t bytes) {
+  const auto p = reinterpret_cast<uintptr_t>(ptr);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const Registered& e : r.entries)
+    if (bytes > 0 && p >= e.begin && p + bytes <= e.end)
+      if (auto b = e.buffer.lock()) return {std::move(b), static_cast<size_t>(p - e.begin)};
+  return {};
+}
+
+std::shared_ptr<SymmetricBuffer> findBuffer(uint64_t heap_id, uint64_t buffer_id) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const Registered& e : r.entries)
+    if (e.heap_id == heap_id && e.buffer_id == buffer_id) return e.buffer.lock();
+  return nullptr;
 }
 
 // -------------------------------------------------------------------------- buffer
@@ -493,6 +544,15 @@ SymmetricBuffer::~SymmetricBuffer() {
   } catch (const std::exception& e) {
     CB_WARN("symmem", "releasing buffer #{} in its destructor: {}", id_, e.what());
   }
+}
+
+uint64_t SymmetricBuffer::heapId() const {
+  return heap_->id;
+}
+
+bool SymmetricBuffer::createdOver(const Communicator& comm) const {
+  auto c = heap_->comm.lock();
+  return c.get() == &comm;
 }
 
 void SymmetricBuffer::checkUsable(const char* op) const {
@@ -822,6 +882,7 @@ void SymmetricBuffer::free(Deadline deadline) {
 void SymmetricBuffer::release(bool synchronize, Deadline deadline) {
   if (freed_) return;
   freed_ = true;  // whatever happens below, the buffer is unusable now
+  unregisterBuffer(this);
   std::exception_ptr error;
   if (synchronize) {
     // Off-node peers write into our segment through UCX: nobody may deregister

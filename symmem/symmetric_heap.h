@@ -110,6 +110,10 @@ class SymmetricBuffer {
   int channels() const { return channels_; }
   bool isLocalPeer(int rank) const;
   bool freed() const { return freed_; }
+  uint64_t heapId() const;  // SymmetricHeap::id(): the same on every rank
+  // Whether the heap was created over `comm` (that very object, still alive): then every
+  // rank of `comm` maps this buffer, so a collective over it may read peers' copies.
+  bool createdOver(const Communicator& comm) const;
 
   // --- signals (channel in [0, channels()))
   // Adds one to this rank's counter in `peer`'s pad for `channel`. Local peers:
@@ -192,5 +196,17 @@ class SymmetricBuffer {
   std::vector<bool> dirty_;         // by rank: remote puts since the last quiet()
   bool freed_ = false;
 };
+
+// Lookup of live buffers of this process (zero-copy collectives: a user pointer that
+// already lies in symmetric memory need not be staged). Buffers enter the registry when
+// allocated and leave it when freed; the registry holds no reference.
+struct BufferRange {
+  std::shared_ptr<SymmetricBuffer> buffer;  // null: not inside one live buffer
+  size_t offset = 0;                        // of ptr from buffer->localPtr()
+};
+// The buffer whose local range holds all of [ptr, ptr + bytes) (bytes > 0).
+BufferRange findBuffer(const void* ptr, size_t bytes);
+// This rank's buffer `buffer_id` of heap `heap_id` (ids as every rank numbers them), or null.
+std::shared_ptr<SymmetricBuffer> findBuffer(uint64_t heap_id, uint64_t buffer_id);
 
 }  // namespace crossbar::symm
