@@ -53,7 +53,10 @@ class RunBackend {
 };
 
 // Host memory; collectives through `coll` (kept by the caller).
-std::unique_ptr<RunBackend> makeHostBackend(Collectives& coll);
+// `symmetric_inputs` (-R 2): buffers from a symmetric heap over `comm`, which `coll` runs
+// on, so one-node collectives read inputs in place.
+std::unique_ptr<RunBackend> makeHostBackend(std::shared_ptr<Communicator> comm, Collectives& coll,
+                                            bool symmetric_inputs);
 
 // CUDA memory on this node's GPU (local rank modulo the visible devices), the CUDA
 // collectives on one stream per rank (-y 1: the legacy default stream). Throws

@@ -9,10 +9,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
+#include <memory>
 
 #include "comm/communicator.h"
 #include "comm/errors.h"
 #include "perf/backend.h"
+#include "symmem/symmetric_heap.h"
 
 namespace crossbar::perf {
 
@@ -31,7 +34,8 @@ using Clock = std::chrono::steady_clock;
 
 class HostBackend : public RunBackend {
  public:
-  explicit HostBackend(Collectives& coll) : coll_(coll) {}
+  HostBackend(std::shared_ptr<Communicator> comm, Collectives& coll, bool symmetric)
+      : comm_(std::move(comm)), coll_(coll), symmetric_inputs_(symmetric) {}
 
   const char* memoryName() const override { return "host"; }
   std::string deviceDescription() const override {
@@ -42,6 +46,21 @@ class HostBackend : public RunBackend {
 
   char* allocate(size_t bytes) override {
     bytes = (std::max<size_t>(bytes, 4096) + 4095) & ~size_t{4095};
+    if (symmetric_inputs_) {
+      // -R 2: a buffer of a symmetric heap over the collectives' communicator, so the
+      // one-node algorithms read inputs in place (zero copy-in; docs/symmem.md). The
+      // driver allocates the same sizes in the same order on every rank (collective).
+      if (!heap_) {
+        symm::HeapOptions ho;
+        ho.name = "perf";
+        ho.remote_access = false;
+        heap_ = std::make_unique<symm::SymmetricHeap>(symm::SymmetricHeap::create(comm_, ho));
+      }
+      auto buffer = heap_->allocate(bytes);  // zero-filled: its pages are touched already
+      auto* p = static_cast<char*>(buffer->localPtr());
+      symmetric_[p] = std::move(buffer);
+      return p;
+    }
     auto* p = static_cast<char*>(std::aligned_alloc(4096, bytes));
     if (!p)
       throw SystemError(fmt::format("perf: rank {} cannot allocate {} bytes of host memory; lower -e",
@@ -49,7 +68,10 @@ class HostBackend : public RunBackend {
     std::memset(p, 0, bytes);  // first-touch page faults stay out of the timing
     return p;
   }
-  void release(char* p) override { std::free(p); }
+  void release(char* p) override {
+    if (symmetric_.erase(p)) return;
+    std::free(p);
+  }
   void zero(void* dst, size_t bytes) override { std::memset(dst, 0, bytes); }
   void upload(void* dst, const void* host, size_t bytes) override {
     if (dst != host) std::memcpy(dst, host, bytes);
@@ -118,7 +140,11 @@ class HostBackend : public RunBackend {
   }
 
   static constexpr size_t kInFlight = 64;
+  std::shared_ptr<Communicator> comm_;
   Collectives& coll_;
+  const bool symmetric_inputs_;
+  std::unique_ptr<symm::SymmetricHeap> heap_;
+  std::map<char*, std::shared_ptr<symm::SymmetricBuffer>> symmetric_;
   std::deque<WorkPtr> works_;
   uint64_t issued_ = 0, completed_ = 0;
   size_t pending_marks_ = 0;  // marks not yet resolved (no clock read per call without them)
@@ -128,8 +154,9 @@ class HostBackend : public RunBackend {
 
 }  // namespace
 
-std::unique_ptr<RunBackend> makeHostBackend(Collectives& coll) {
-  return std::make_unique<HostBackend>(coll);
+std::unique_ptr<RunBackend> makeHostBackend(std::shared_ptr<Communicator> comm, Collectives& coll,
+                                            bool symmetric_inputs) {
+  return std::make_unique<HostBackend>(std::move(comm), coll, symmetric_inputs);
 }
 
 }  // namespace crossbar::perf

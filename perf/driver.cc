@@ -277,8 +277,11 @@ void Runner::printHeader(size_t max_bytes) {
   const bool cuda = !std::strcmp(backend_->memoryName(), "cuda");
   if (cuda && o_.local_register == 2) {
     h += "# Buffers from the CUDA collectives' symmetric heap (-R 2): used in place, no staging copy\n";
+  } else if (o_.local_register == 2) {
+    h += "# Buffers from a symmetric heap over the communicator (-R 2): one-node allgather/alltoall read "
+         "inputs in place\n";
   } else if (o_.local_register) {
-    h += "# Option -R (buffer registration) has no effect here (-R 2 with --mem cuda only). Ignoring\n";
+    h += "# Option -R 1 (buffer registration) has no effect here (-R 2: symmetric buffers). Ignoring\n";
   }
   if (o_.cta_policy >= 0) h += "# Option -x (CTA policy) has no effect in crossbar. Ignoring\n";
   if (o_.stream_null && !cuda) h += "# Option -y (null stream) has no effect on host memory. Ignoring\n";
@@ -688,7 +691,7 @@ int Runner::run() {
     }
   }
 
-  backend_ = o_.mem == "cuda" ? makeCudaBackend(comm_, o_) : makeHostBackend(coll_);
+  backend_ = o_.mem == "cuda" ? makeCudaBackend(comm_, o_) : makeHostBackend(comm_, coll_, o_.local_register == 2);
   const int64_t mem_after_init = backend_->memoryInUse();
 
   max_bytes_ = o_.max_bytes;
