@@ -60,7 +60,8 @@ void translate(std::exception_ptr p) {
 void bindTelemetry(py::module_& m);  // bind_telemetry.cc
 void bindMoe(py::module_& m);        // bind_moe.cc
 namespace crossbar::torch_backend {
-void bindFt(py::module_& m);  // bind_ft.cc
+void bindFt(py::module_& m);    // bind_ft.cc
+void bindSymm(py::module_& m);  // bind_symm.cc
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -120,6 +121,7 @@ PYBIND11_MODULE(_C, m) {
   bindTelemetry(m);
   bindMoe(m);
   crossbar::torch_backend::bindFt(m);
+  crossbar::torch_backend::bindSymm(m);
   m.def("_build_info", [] {
     py::dict d;
     d["version"] = CROSSBAR_VERSION;

@@ -30,6 +30,7 @@ from .errors import (  # noqa: F401
     Unsupported,
 )
 from . import _C
+from . import symm  # noqa: E402,F401  (crossbar.symm: symmetric-memory tensors)
 
 __version__ = _C._build_info()["version"]
 ProcessGroupCrossbar = _C.ProcessGroupCrossbar
