@@ -11,6 +11,7 @@
 
 #include "collectives/reduce.h"
 #include "collectives/signature.h"
+#include "comm/context.h"
 #include "comm/env.h"
 #include "comm/errors.h"
 #include "comm/log.h"
@@ -265,7 +266,12 @@ bool EagerChannel::awaitPeer(int peer, uint64_t seq, Deadline deadline, CallSign
     } catch (const Timeout&) {
       // Only the slice's own end is ours to absorb: an abort (e.g. the failure
       // detector's "not responding") arrives as its error, possibly a Timeout too.
-      if (comm_->aborted() || (deadline.expired() && !ready())) throw;
+      // When the abort lands as the slice ends, report the abort's error, not the slice's.
+      if (comm_->aborted()) {
+        if (auto e = comm_->context().abortError()) std::rethrow_exception(e);
+        throw;
+      }
+      if (deadline.expired() && !ready()) throw;
     }
   }
 }

@@ -703,8 +703,20 @@ void SymmetricBuffer::waitSlot(int peer, size_t slot_index, uint64_t value, int 
   ucx::UcxContext* u = heap_->any_ucx.get();
   const bool local = ptrs_[peer] != nullptr;
   auto next_check = Clock::now() + kSleepSlice;
+  // An aborted (revoked) communicator releases every wait on its buffers, with its
+  // error (e.g. the failure detector's "not responding"), which also wins over a
+  // deadline that ends at the same moment (a caller's short slice).
+  auto throwIfAborted = [&] {
+    if (auto c = heap_->context.lock(); c && c->aborted()) {
+      if (auto e = c->abortError()) std::rethrow_exception(e);
+      throw Aborted(heap_->ctx(op) + fmt::format("the communicator was aborted ({}) while this rank waited "
+                                                 "for {}'s signal on {}",
+                                                 c->abortReason(), heap_->peerText(peer), describeChannel(channel)));
+    }
+  };
   while (!reached()) {
     if (deadline.expired()) {
+      throwIfAborted();
       throw Timeout(
           heap_->ctx(op) + fmt::format("{} did not signal {} of buffer #{} within the deadline "
                                        "(counter {}, waiting for {}); check that it calls the matching "
@@ -731,13 +743,7 @@ void SymmetricBuffer::waitSlot(int peer, size_t slot_index, uint64_t value, int 
     }
     if (Clock::now() >= next_check) {
       next_check = Clock::now() + kSleepSlice;
-      // An aborted (revoked) communicator releases every wait on its buffers.
-      if (auto c = heap_->context.lock(); c && c->aborted()) {
-        if (auto e = c->abortError()) std::rethrow_exception(e);
-        throw Aborted(heap_->ctx(op) + fmt::format("the communicator was aborted ({}) while this rank waited "
-                                                   "for {}'s signal on {}",
-                                                   c->abortReason(), heap_->peerText(peer), describeChannel(channel)));
-      }
+      throwIfAborted();
       heap_->throwIfSplitAborted(op, fmt::format("{}'s signal on {}", heap_->peerText(peer), describeChannel(channel)));
       if (local && heap_->conns[peer].valid() && heap_->conns[peer].peerClosed() && !reached())
         throw PeerFailure(heap_->ctx(op) + fmt::format("{} exited or crashed while this rank waited for its "
