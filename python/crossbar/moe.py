@@ -34,9 +34,9 @@ import dataclasses
 import datetime
 
 import torch
-import torch.distributed as dist
 
 from . import _C
+from ._group import crossbar_backend
 
 __all__ = ["Buffer", "Dispatched", "Layout", "PAYLOADS"]
 
@@ -100,22 +100,6 @@ def _device_index(device) -> int:
     return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
-def _backend(group):
-    group = group if group is not None else dist.group.WORLD
-    if group is None:
-        raise RuntimeError("crossbar.moe: call torch.distributed.init_process_group first")
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-    except RuntimeError as e:
-        raise RuntimeError(
-            "crossbar.moe needs a process group with crossbar for CPU tensors "
-            "(init_process_group('crossbar') or 'cpu:crossbar,cuda:nccl')"
-        ) from e
-    if not isinstance(backend, _C.ProcessGroupCrossbar):
-        raise RuntimeError(f"crossbar.moe: the group's CPU backend is {type(backend).__name__}, not crossbar")
-    return backend
-
-
 def _view(t: torch.Tensor, name: str):
     dtype = getattr(torch, name, None)
     return t.view(dtype) if dtype is not None and t.numel() else t
@@ -159,7 +143,7 @@ class Buffer:
         cuda_device = _device_index(device)
         self.device = torch.device("cuda", cuda_device) if cuda_device >= 0 else torch.device("cpu")
         self._impl = _C._moe.Buffer(
-            _backend(group),
+            crossbar_backend(group, "crossbar.moe"),
             max_tokens,
             hidden,
             topk,

@@ -25,27 +25,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from . import _C, errors
+from ._group import crossbar_backend
 
 __all__ = ["empty", "peer", "signal", "wait_signal", "barrier", "is_symmetric"]
-
-
-def _backend(group):
-    group = group if group is not None else dist.group.WORLD
-    if group is None:
-        raise RuntimeError("crossbar.symm: call torch.distributed.init_process_group first")
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-    except RuntimeError as e:
-        raise RuntimeError(
-            "crossbar.symm needs a process group with crossbar for CPU tensors "
-            "(init_process_group('crossbar') or 'cpu:crossbar,cuda:nccl')"
-        ) from e
-    if not isinstance(backend, _C.ProcessGroupCrossbar):
-        raise RuntimeError(f"crossbar.symm: the group's CPU backend is {type(backend).__name__}, not crossbar")
-    return backend
 
 
 def empty(shape, dtype: torch.dtype = torch.float32, group=None, device=None) -> torch.Tensor:
@@ -61,7 +45,7 @@ def empty(shape, dtype: torch.dtype = torch.float32, group=None, device=None) ->
         raise errors.InvalidArgument(f"crossbar.symm.empty: negative dimension in shape {shape}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     try:
-        raw = _C._symm.empty_bytes(_backend(group), math.prod(shape) * itemsize)
+        raw = _C._symm.empty_bytes(crossbar_backend(group, "crossbar.symm"), math.prod(shape) * itemsize)
     except errors.InvalidUsage as e:  # ranks disagree: say which call, in the caller's terms
         e.args = (f"crossbar.symm.empty(shape={shape}, dtype={dtype}): {e}",)
         raise
@@ -98,4 +82,4 @@ def barrier(group=None, timeout=None) -> None:
     it are visible to every rank after it (signals on the group's heap, not a collective)."""
     if timeout is not None and hasattr(timeout, "total_seconds"):
         timeout = timeout.total_seconds()
-    _C._symm.barrier(_backend(group), None if timeout is None else float(timeout))
+    _C._symm.barrier(crossbar_backend(group, "crossbar.symm"), None if timeout is None else float(timeout))
