@@ -41,6 +41,10 @@ size_t roundDown(size_t v, size_t a) {
 size_t roundUp(size_t v, size_t a) {
   return (v + a - 1) / a * a;
 }
+bool overlaps(const void* a, size_t alen, const void* b, size_t blen) {
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return alen && blen && x < y + blen && y < x + alen;
+}
 }  // namespace
 
 SymmStaging::SymmStaging(std::shared_ptr<Communicator> comm, size_t bytes, size_t chunk)
@@ -147,14 +151,32 @@ uint64_t symmDirectReads() {
   return direct_reads.load(std::memory_order_relaxed);
 }
 
-SymmStaging::Direct SymmStaging::directSource(const void* p, size_t bytes) const {
+SymmStaging::Direct SymmStaging::directSource(const void* p, size_t bytes, size_t align) const {
   if (!bytes) return {};
   symm::BufferRange found = symm::findBuffer(p, bytes);
   // Another communicator's heap may lack some of our peers (or map them elsewhere).
+  // Mappings start on a page, so a peer's address has the offset's alignment.
   if (!found.buffer || found.buffer->memoryKind() != symm::MemoryKind::kHost ||
-      !found.buffer->createdOver(*comm_))
+      !found.buffer->createdOver(*comm_) || found.offset % std::max<size_t>(align, 1) != 0)
     return {};
   return {std::move(found.buffer), found.offset};
+}
+
+ZeroCopy::ZeroCopy(SymmStaging& s, const void* in, size_t bytes, size_t align, bool allowed)
+    : s_(s), d_(allowed ? s.directSource(in, bytes, align) : SymmStaging::Direct{}), from_(s.size(), nullptr) {}
+
+void ZeroCopy::announce(int h, int reader, size_t offset, size_t bytes) {
+  s_.announce(h, reader, direct() ? SymmStaging::Direct{d_.buffer, d_.offset + offset} : SymmStaging::Direct{},
+              bytes);
+}
+
+void ZeroCopy::announceAll(int h, size_t offset, size_t bytes) {
+  for (int q = 0; q < s_.size(); ++q)
+    if (q != s_.rank()) announce(h, q, offset, bytes);
+}
+
+const char* ZeroCopy::learn(int owner, int h, size_t bytes, const char* op) {
+  return from_[owner] = s_.announced(owner, h, bytes, op);
 }
 
 void SymmStaging::announce(int h, int reader, const Direct& d, size_t bytes) {
@@ -344,6 +366,10 @@ Split splitOf(size_t n, int p, size_t es) {
 
 // One-shot: every rank stages its chunk, then reduces all p chunks (its own from the
 // user buffer) into its output. p-1 reads per element; for small messages.
+// Zero copy: peers read a symmetric input in place, chunk k after its READY, and the
+// owner waits for their FREEs before it returns. Not in place: the owner writes its
+// output chunk while peers may still read that chunk of its input (waiting for them
+// first would cost a round, and an in-place output would need a private copy anyway).
 void allreduceOneShot(const CollArgs& a, RunContext& x) {
   SymmStaging& s = staging(*x.comm, x);
   const int p = s.size(), r = s.rank();
@@ -351,24 +377,34 @@ void allreduceOneShot(const CollArgs& a, RunContext& x) {
   const size_t C = chunkElems(s.chunkBytes(), es);
   const size_t K = ceilDiv(n, C);
   const ReduceParams prm = paramsOf(a);
+  ZeroCopy z(s, a.send, n * es, es, a.send != a.recv);
   std::vector<const void*> srcs(p);
   for (size_t k = 0; k < K; ++k) {
     const int h = s.halfOf(k);
     const size_t lo = k * C, m = std::min(C, n - lo);
     s.acquire(h, x.deadline);
-    s.stageCopy(s.mine(h), ccp(a.send) + lo * es, m * es);
+    if (k == 0) z.announceAll(h, 0, n * es);
+    if (!z.direct()) s.stageCopy(s.mine(h), ccp(a.send) + lo * es, m * es);
     s.publishAll(h);
-    for (int q = 0; q < p; ++q) srcs[q] = q == r ? ccp(a.send) + lo * es : s.slot(q, h);
     s.waitAll(SymmStaging::kReady, x.deadline);
+    for (int q = 0; q < p; ++q) {
+      if (k == 0 && q != r) z.learn(q, h, n * es, "allreduce");
+      srcs[q] = q == r ? ccp(a.send) + lo * es : z.from(q) ? z.from(q) + lo * es : s.slot(q, h);
+    }
     reduce(cp(a.recv) + lo * es, srcs.data(), p, m, a.type, a.op, prm);
     s.releaseAll();
   }
+  z.finish(x.deadline);
   s.advance(K);
 }
 
 // Two-shot: stage the chunk; rank r reduces block r of it from every rank's half into
 // its output and stages the result, then every rank copies the peers' reduced blocks
 // out. Each element is read about twice per rank instead of p times.
+// Zero copy: peers read block q of a symmetric input in place (chunk k after its
+// READY), in place too: rank r writes its output block q only after q's REDUCED for
+// that chunk, which q sends after reading r's block q; its own block r no peer reads.
+// For the same reason r needs no FREE before it returns.
 void twoShot(const CollArgs& a, RunContext& x, bool nt) {
   SymmStaging& s = staging(*x.comm, x);
   const int p = s.size(), r = s.rank();
@@ -376,18 +412,22 @@ void twoShot(const CollArgs& a, RunContext& x, bool nt) {
   const size_t C = chunkElems(s.chunkBytes(), es);
   const size_t K = ceilDiv(n, C);
   const ReduceParams prm = paramsOf(a);
+  ZeroCopy z(s, a.send, n * es, es, true);
   std::vector<const void*> srcs(p);
   for (size_t k = 0; k < K; ++k) {
     const int h = s.halfOf(k);
     const size_t lo = k * C, m = std::min(C, n - lo);
     const Split sp = splitOf(m, p, es);
     s.acquire(h, x.deadline);
+    if (k == 0) z.announceAll(h, 0, n * es);
     // Stage the blocks the peers reduce; this rank's own block is reduced from the user
     // buffer, and its slot receives the reduced result below.
     const char* in = ccp(a.send) + lo * es;
-    s.stageCopy(s.mine(h), in, sp.off(r) * es);
-    const size_t after = sp.off(r) + sp.len(r);
-    s.stageCopy(s.mine(h) + after * es, in + after * es, (m - after) * es);
+    if (!z.direct()) {
+      s.stageCopy(s.mine(h), in, sp.off(r) * es);
+      const size_t after = sp.off(r) + sp.len(r);
+      s.stageCopy(s.mine(h) + after * es, in + after * es, (m - after) * es);
+    }
     s.publishAll(h);
     s.waitAll(SymmStaging::kReady, x.deadline);
     // Own block: reduce into the (private) output, then stage the result for the
@@ -395,7 +435,10 @@ void twoShot(const CollArgs& a, RunContext& x, bool nt) {
     // read last time, stalls on ownership like a plain copy-in; see stageCopy).
     const size_t bo = sp.off(r) * es;
     char* own = cp(a.recv) + lo * es + bo;
-    for (int q = 0; q < p; ++q) srcs[q] = q == r ? ccp(a.send) + lo * es + bo : s.slot(q, h) + bo;
+    for (int q = 0; q < p; ++q) {
+      if (k == 0 && q != r) z.learn(q, h, n * es, "allreduce");
+      srcs[q] = q == r ? in + bo : z.from(q) ? z.from(q) + lo * es + bo : s.slot(q, h) + bo;
+    }
     if (sp.len(r)) {
       reduce(own, srcs.data(), p, sp.len(r), a.type, a.op, prm);
       s.stageCopy(s.mine(h) + bo, own, sp.len(r) * es);
@@ -433,30 +476,43 @@ Blocks uniformBlocks(size_t count, int p) {
 
 // rank r's output `out` (len[r] elements) = reduce over ranks of their input block r.
 // Every rank stages its blocks b != r chunk by chunk (its own block r it reads in place).
+// Zero copy: rank b reads its block of a symmetric input in place (chunk k after its
+// READY); in place too when `out` is the rank's own block, which no peer reads.
 void symmReduceScatter(SymmStaging& s, const RunContext& x, const void* in, void* out, const Blocks& B,
-                       DataType t, ReduceOp op, const ReduceParams& prm) {
+                       DataType t, ReduceOp op, const ReduceParams& prm, bool zero_copy) {
   const int p = s.size(), r = s.rank();
   const size_t es = elementSize(t);
   const size_t C = subChunkElems(s, p, es), stride = C * es;
   const size_t K = ceilDiv(B.maxLen(), C);
+  size_t extent = 0;
+  for (int b = 0; b < p; ++b) extent = std::max(extent, (B.off[b] + B.len[b]) * es);
+  const bool own_block = cp(out) == ccp(in) + B.off[r] * es;
+  ZeroCopy z(s, in, extent, es, zero_copy && (own_block || !overlaps(in, extent, out, B.len[r] * es)));
   std::vector<const void*> srcs(p);
   for (size_t k = 0; k < K; ++k) {
     const int h = s.halfOf(k);
     const size_t lo = k * C;
     s.acquire(h, x.deadline);
-    for (int b = 0; b < p; ++b) {
+    if (k == 0 && zero_copy) z.announceAll(h, 0, extent);
+    for (int b = 0; b < p && !z.direct(); ++b) {
       if (b == r || B.len[b] <= lo) continue;
       s.stageCopy(s.mine(h) + b * stride, ccp(in) + (B.off[b] + lo) * es, std::min(C, B.len[b] - lo) * es);
     }
     s.publishAll(h);
     s.waitAll(SymmStaging::kReady, x.deadline);
+    if (k == 0 && zero_copy)
+      for (int q = 0; q < p; ++q)
+        if (q != r) z.learn(q, h, extent, "reduce_scatter");
     if (B.len[r] > lo) {
       for (int q = 0; q < p; ++q)
-        srcs[q] = q == r ? ccp(in) + (B.off[r] + lo) * es : s.slot(q, h) + r * stride;
+        srcs[q] = q == r        ? ccp(in) + (B.off[r] + lo) * es
+                  : z.from(q) ? z.from(q) + (B.off[r] + lo) * es
+                              : s.slot(q, h) + r * stride;
       reduce(cp(out) + lo * es, srcs.data(), p, std::min(C, B.len[r] - lo), t, op, prm);
     }
     s.releaseAll();
   }
+  z.finish(x.deadline);
   s.advance(K);
 }
 
@@ -467,40 +523,35 @@ void symmAllgather(SymmStaging& s, const RunContext& x, const void* mine, void* 
   const size_t es = elementSize(t);
   const size_t C = chunkElems(s.chunkBytes(), es);
   const size_t K = ceilDiv(B.maxLen(), C);
-  // Zero copy: `mine` is read in place by every peer (symm_staging.h), nothing is staged.
-  const SymmStaging::Direct d = zero_copy ? s.directSource(mine, B.len[r] * es) : SymmStaging::Direct{};
-  const bool direct = d.buffer != nullptr;
-  std::vector<const char*> in_place(p, nullptr);  // owners whose whole block was read in place
+  // Zero copy: `mine` is read in place by every peer (symm_staging.h), nothing is
+  // staged; in place too (this rank writes only the other blocks of `out`).
+  ZeroCopy z(s, mine, B.len[r] * es, 1, zero_copy);
   // The own block first: the staging copy then reads a source in cache (copying it
   // after publishing, as alltoall does, measured no faster here: session 6).
   if (ccp(mine) != cp(out) + B.off[r] * es) copyOut(cp(out) + B.off[r] * es, mine, B.len[r] * es, nt);
   for (size_t k = 0; k < K; ++k) {
     const int h = s.halfOf(k);
     const size_t lo = k * C;
-    if (k == 0 || !direct) {
+    if (k == 0 || !z.direct()) {
       s.acquire(h, x.deadline);
-      if (k == 0)
-        for (int q = 0; q < p; ++q)
-          if (q != r) s.announce(h, q, d, B.len[r] * es);
-      if (!direct && B.len[r] > lo)
+      if (k == 0) z.announceAll(h, 0, B.len[r] * es);
+      if (!z.direct() && B.len[r] > lo)
         s.stageCopy(s.mine(h), ccp(mine) + lo * es, std::min(C, B.len[r] - lo) * es);
       s.publishAll(h);
     }
     for (int i = 1; i < p; ++i) {
       const int q = (r + i) % p;
-      if (in_place[q]) continue;
+      if (k > 0 && z.from(q)) continue;  // read whole at the first chunk
       s.wait(q, SymmStaging::kReady, x.deadline);
-      if (k == 0 && (in_place[q] = s.announced(q, h, B.len[q] * es, "allgather"))) {
-        copyOut(cp(out) + B.off[q] * es, in_place[q], B.len[q] * es, nt);
+      if (k == 0 && z.learn(q, h, B.len[q] * es, "allgather")) {
+        copyOut(cp(out) + B.off[q] * es, z.from(q), B.len[q] * es, nt);
       } else if (B.len[q] > lo) {
         copyOut(cp(out) + (B.off[q] + lo) * es, s.slot(q, h), std::min(C, B.len[q] - lo) * es, nt);
       }
       s.release(q);
     }
   }
-  // Every reader is done with `mine` (their FREEs for the first chunk's half) before
-  // the caller may overwrite it.
-  if (direct && K > 0) s.acquire(s.halfOf(0), x.deadline);
+  z.finish(x.deadline);
   s.advance(K);
 }
 
@@ -508,7 +559,7 @@ namespace {
 
 void reduceScatterSymm(const CollArgs& a, RunContext& x) {
   SymmStaging& s = staging(*x.comm, x);
-  symmReduceScatter(s, x, a.send, a.recv, uniformBlocks(a.count, s.size()), a.type, a.op, paramsOf(a));
+  symmReduceScatter(s, x, a.send, a.recv, uniformBlocks(a.count, s.size()), a.type, a.op, paramsOf(a), true);
 }
 
 void allgatherSymm(const CollArgs& a, RunContext& x) {
@@ -546,6 +597,9 @@ void allreduceHierSymm(const CollArgs& a, RunContext& x) {
 
 // ---- data movement -------------------------------------------------------------------
 
+// Zero copy (ZeroCopy) in the data movers: a reader copies a direct owner's whole block
+// at the first chunk, and the owner publishes only that chunk to it.
+
 void broadcastSymm(const CollArgs& a, RunContext& x) {
   SymmStaging& s = staging(*x.comm, x);
   const int r = s.rank();
@@ -553,22 +607,32 @@ void broadcastSymm(const CollArgs& a, RunContext& x) {
   const size_t C = chunkElems(s.chunkBytes(), es);
   const size_t K = ceilDiv(n, C);
   const bool nt = n * es >= (8u << 20);
+  ZeroCopy z(s, a.recv, n * es, 1, r == a.root);  // the root never writes its buffer
   for (size_t k = 0; k < K; ++k) {
     const int h = s.halfOf(k);
     const size_t lo = k * C, m = std::min(C, n - lo);
     if (r == a.root) {
+      if (k > 0 && z.direct()) break;
       s.acquire(h, x.deadline);
-      s.stageCopy(s.mine(h), ccp(a.recv) + lo * es, m * es);
+      if (k == 0) z.announceAll(h, 0, n * es);
+      if (!z.direct()) s.stageCopy(s.mine(h), ccp(a.recv) + lo * es, m * es);
       s.publishAll(h);
     } else {
+      if (k > 0 && z.from(a.root)) break;
       s.wait(a.root, SymmStaging::kReady, x.deadline);
-      copyOut(cp(a.recv) + lo * es, s.slot(a.root, h), m * es, nt);
+      if (k == 0 && z.learn(a.root, h, n * es, "broadcast"))
+        copyOut(a.recv, z.from(a.root), n * es, nt);
+      else
+        copyOut(cp(a.recv) + lo * es, s.slot(a.root, h), m * es, nt);
       s.release(a.root);
     }
   }
+  z.finish(x.deadline);
   s.advance(K);
 }
 
+// Zero copy: the root reads a symmetric input chunk k in place after its READY (in
+// place too: the root's own input is read by the root alone).
 void reduceSymm(const CollArgs& a, RunContext& x) {
   SymmStaging& s = staging(*x.comm, x);
   const int p = s.size(), r = s.rank();
@@ -576,21 +640,27 @@ void reduceSymm(const CollArgs& a, RunContext& x) {
   const size_t C = chunkElems(s.chunkBytes(), es);
   const size_t K = ceilDiv(n, C);
   const ReduceParams prm = paramsOf(a);
+  ZeroCopy z(s, a.send, n * es, es, r != a.root);
   std::vector<const void*> srcs(p);
   for (size_t k = 0; k < K; ++k) {
     const int h = s.halfOf(k);
     const size_t lo = k * C, m = std::min(C, n - lo);
     if (r != a.root) {
       s.acquire(h, x.deadline);
-      s.stageCopy(s.mine(h), ccp(a.send) + lo * es, m * es);
+      if (k == 0) z.announce(h, a.root, 0, n * es);
+      if (!z.direct()) s.stageCopy(s.mine(h), ccp(a.send) + lo * es, m * es);
       s.publish(h, a.root);
       continue;
     }
-    for (int q = 0; q < p; ++q) srcs[q] = q == r ? ccp(a.send) + lo * es : s.slot(q, h);
     s.waitAll(SymmStaging::kReady, x.deadline);
+    for (int q = 0; q < p; ++q) {
+      if (k == 0 && q != r) z.learn(q, h, n * es, "reduce");
+      srcs[q] = q == r ? ccp(a.send) + lo * es : z.from(q) ? z.from(q) + lo * es : s.slot(q, h);
+    }
     reduce(cp(a.recv) + lo * es, srcs.data(), p, m, a.type, a.op, prm);
     s.releaseAll();
   }
+  z.finish(x.deadline);
   s.advance(K);
 }
 
@@ -600,23 +670,31 @@ void gatherSymm(const CollArgs& a, RunContext& x) {
   const size_t es = elementSize(a.type), n = a.count;
   const size_t C = chunkElems(s.chunkBytes(), es);
   const size_t K = ceilDiv(n, C);
+  ZeroCopy z(s, a.send, n * es, 1, r != a.root);
   if (r == a.root) copyOut(cp(a.recv) + r * n * es, a.send, n * es, false);
   for (size_t k = 0; k < K; ++k) {
     const int h = s.halfOf(k);
     const size_t lo = k * C, m = std::min(C, n - lo);
     if (r != a.root) {
+      if (k > 0 && z.direct()) break;
       s.acquire(h, x.deadline);
-      s.stageCopy(s.mine(h), ccp(a.send) + lo * es, m * es);
+      if (k == 0) z.announce(h, a.root, 0, n * es);
+      if (!z.direct()) s.stageCopy(s.mine(h), ccp(a.send) + lo * es, m * es);
       s.publish(h, a.root);
       continue;
     }
     for (int i = 1; i < p; ++i) {
       const int q = (r + i) % p;
+      if (k > 0 && z.from(q)) continue;  // read whole at the first chunk
       s.wait(q, SymmStaging::kReady, x.deadline);
-      std::memcpy(cp(a.recv) + (q * n + lo) * es, s.slot(q, h), m * es);
+      if (k == 0 && z.learn(q, h, n * es, "gather"))
+        std::memcpy(cp(a.recv) + q * n * es, z.from(q), n * es);
+      else
+        std::memcpy(cp(a.recv) + (q * n + lo) * es, s.slot(q, h), m * es);
       s.release(q);
     }
   }
+  z.finish(x.deadline);
   s.advance(K);
 }
 
@@ -626,21 +704,32 @@ void scatterSymm(const CollArgs& a, RunContext& x) {
   const size_t es = elementSize(a.type), n = a.count;
   const size_t C = subChunkElems(s, p, es), stride = C * es;
   const size_t K = ceilDiv(n, C);
+  // The root writes only its own block (or nothing, in place), which no peer reads.
+  ZeroCopy z(s, a.send, r == a.root ? p * n * es : 0, 1, r == a.root);
   if (r == a.root) copyOut(a.recv, ccp(a.send) + r * n * es, n * es, false);
   for (size_t k = 0; k < K; ++k) {
     const int h = s.halfOf(k);
     const size_t lo = k * C, m = std::min(C, n - lo);
     if (r == a.root) {
+      if (k > 0 && z.direct()) break;
       s.acquire(h, x.deadline);
-      for (int b = 0; b < p; ++b)
-        if (b != r) s.stageCopy(s.mine(h) + b * stride, ccp(a.send) + (b * n + lo) * es, m * es);
+      for (int b = 0; b < p; ++b) {
+        if (b == r) continue;
+        if (k == 0) z.announce(h, b, b * n * es, n * es);
+        if (!z.direct()) s.stageCopy(s.mine(h) + b * stride, ccp(a.send) + (b * n + lo) * es, m * es);
+      }
       s.publishAll(h);
     } else {
+      if (k > 0 && z.from(a.root)) break;
       s.wait(a.root, SymmStaging::kReady, x.deadline);
-      std::memcpy(cp(a.recv) + lo * es, s.slot(a.root, h) + r * stride, m * es);
+      if (k == 0 && z.learn(a.root, h, n * es, "scatter"))
+        std::memcpy(a.recv, z.from(a.root), n * es);
+      else
+        std::memcpy(cp(a.recv) + lo * es, s.slot(a.root, h) + r * stride, m * es);
       s.release(a.root);
     }
   }
+  z.finish(x.deadline);
   s.advance(K);
 }
 
@@ -649,11 +738,11 @@ void scatterSymm(const CollArgs& a, RunContext& x) {
 // counts, so ranks with less to move finish early. Round k uses half base + k; the
 // base is not advanced (the round count is not agreed globally): acquire() tracks
 // which half each reader still holds, which is all the next operation needs.
-// Zero copy (`zero_copy`, symm_staging.h): an owner whose whole input lies in a
-// symmetric buffer lets each reader copy its block in place; not in place (the owner
-// overwrites its input blocks with what it receives while peers may still read them).
+// Zero copy: an owner whose whole input lies in a symmetric buffer lets each reader
+// copy its block in place at the first round; not in place (the owner overwrites its
+// input blocks with what it receives while peers may still read them).
 void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const size_t* sdsp,
-                  const size_t* rcnt, const size_t* rdsp, bool zero_copy = false) {
+                  const size_t* rcnt, const size_t* rdsp, const char* op) {
   SymmStaging& s = staging(*x.comm, x);
   const int p = s.size(), r = s.rank();
   const size_t es = elementSize(a.type);
@@ -666,9 +755,7 @@ void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const si
     if (q != r) rounds = std::max({rounds, ceilDiv(scnt[q], C), ceilDiv(rcnt[q], C)});
     extent = std::max(extent, (sdsp[q] + scnt[q]) * es);
   }
-  const SymmStaging::Direct d = zero_copy && !inplace ? s.directSource(in, extent) : SymmStaging::Direct{};
-  const bool direct = d.buffer != nullptr;
-  std::vector<const char*> in_place(p, nullptr);  // owners whose whole block was read in place
+  ZeroCopy z(s, in, extent, 1, !inplace);
   // The own block is copied once the first round is published, so a late peer's wait
   // overlaps it (and an early peer is not kept waiting for it).
   auto copyOwn = [&] {
@@ -685,14 +772,12 @@ void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const si
     const size_t lo = k * C;
     bool any = false;
     for (int q = 0; q < p; ++q) any |= q != r && scnt[q] > lo;
-    if (any && (k == 0 || !direct)) {
+    if (any && (k == 0 || !z.direct())) {
       s.acquire(h, x.deadline);
       for (int q = 0; q < p; ++q) {
         if (q == r || scnt[q] <= lo) continue;
-        if (k == 0)
-          s.announce(h, q, direct ? SymmStaging::Direct{d.buffer, d.offset + sdsp[q] * es} : SymmStaging::Direct{},
-                     scnt[q] * es);
-        if (!direct)
+        if (k == 0) z.announce(h, q, sdsp[q] * es, scnt[q] * es);
+        if (!z.direct())
           s.stageCopy(s.mine(h) + q * stride, in + (sdsp[q] + lo) * es, std::min(C, scnt[q] - lo) * es);
         s.publish(h, q);
       }
@@ -700,29 +785,28 @@ void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const si
     if (k == 0) copyOwn();
     for (int i = 1; i < p; ++i) {
       const int q = (r + i) % p;
-      if (rcnt[q] <= lo || in_place[q]) continue;
+      if (rcnt[q] <= lo || (k > 0 && z.from(q))) continue;
       s.wait(q, SymmStaging::kReady, x.deadline);
-      if (k == 0 && (in_place[q] = s.announced(q, h, rcnt[q] * es, "alltoall")))
-        copyOut(out + rdsp[q] * es, in_place[q], rcnt[q] * es, nt);
+      if (k == 0 && z.learn(q, h, rcnt[q] * es, op))
+        copyOut(out + rdsp[q] * es, z.from(q), rcnt[q] * es, nt);
       else
         copyOut(out + (rdsp[q] + lo) * es, s.slot(q, h) + r * stride, std::min(C, rcnt[q] - lo) * es, nt);
       s.release(q);
     }
   }
-  // Every reader is done with the input (their FREEs for round 0's half) before the
-  // caller may overwrite it.
-  if (direct && rounds > 0) s.acquire(s.halfOf(0), x.deadline);
+  z.finish(x.deadline);
 }
 
 void alltoallSymm(const CollArgs& a, RunContext& x) {
   const int p = x.comm->size();
   std::vector<size_t> cnt(p, a.count), dsp(p);
   for (int i = 0; i < p; ++i) dsp[i] = a.count * i;
-  exchangeSymm(a, x, cnt.data(), dsp.data(), cnt.data(), dsp.data(), true);
+  exchangeSymm(a, x, cnt.data(), dsp.data(), cnt.data(), dsp.data(), "alltoall");
 }
 
 void alltoallvSymm(const CollArgs& a, RunContext& x) {
-  // In place with variable counts: a block may be overwritten before it is staged.
+  // In place with variable counts: a block may be overwritten before it is staged, so
+  // the input is copied first (then staged from the copy).
   if (a.send == a.recv) {
     size_t extent = 0;
     for (int i = 0; i < x.comm->size(); ++i)
@@ -732,10 +816,11 @@ void alltoallvSymm(const CollArgs& a, RunContext& x) {
     CollArgs b = a;
     b.send = copy;
     exchangeSymm(b, x, a.send_counts.data(), a.send_displs.data(), a.recv_counts.data(),
-                 a.recv_displs.data());
+                 a.recv_displs.data(), "alltoallv");
     return;
   }
-  exchangeSymm(a, x, a.send_counts.data(), a.send_displs.data(), a.recv_counts.data(), a.recv_displs.data());
+  exchangeSymm(a, x, a.send_counts.data(), a.send_displs.data(), a.recv_counts.data(), a.recv_displs.data(),
+               "alltoallv");
 }
 
 // ---- single copy (CMA) -----------------------------------------------------------------

@@ -19,14 +19,16 @@
 // DONE before its operation completes (waitReaders), so the caller may reuse the
 // buffer as soon as the Work completes; the slot is then free for the next operation.
 //
-// Zero copy (allgather, alltoall): an owner whose input already lies in a symmetric
-// buffer allocated over this same communicator (every rank maps it) does not stage it.
-// With its first chunk's READY (half h, after acquire(h)) every owner announces per
-// reader whether that block is staged or "direct at (buffer, offset)"; a reader of a
-// direct owner copies the whole block from its mapping of that buffer and sends the
-// FREE it owes for half h. The owner's acquire(h) before it returns waits for those
-// FREEs, so the caller may overwrite its input once the operation completes. The
-// announcement sits in the owner's metadata per half, so a reader still reading the
+// Zero copy (every staged algorithm; ZeroCopy below): an owner whose input already lies
+// in a symmetric buffer allocated over this same communicator (every rank maps it) does
+// not stage it. With its first chunk's READY (half h, after acquire(h)) every owner
+// announces per reader whether its input is staged or "direct at (buffer, offset)"; a
+// reader of a direct owner reads the owner's input from its mapping of that buffer: the
+// data movers copy the whole block at once, the reductions read chunk k in place where
+// they would read the staged chunk k (after the same READY). The owner does not return
+// before every reader is done with its input: finish() waits for the FREEs it is owed
+// (two-shot needs no wait: a peer's REDUCED for a chunk comes after its reads of it).
+// The announcement sits in the owner's metadata per half, so a reader still reading the
 // previous announcement of the other half is never overtaken.
 #pragma once
 
@@ -71,6 +73,11 @@ class SymmStaging {
 
   // Waits until every reader of this rank's half h has released it.
   void acquire(int h, Deadline deadline);
+  // Waits until every reader has released everything this rank published to it.
+  void acquireAll(Deadline deadline) {
+    acquire(0, deadline);
+    acquire(1, deadline);
+  }
   // READY to `reader`, who now owes a FREE for half h.
   void publish(int h, int reader);
   void notify(int peer, int channel) { buf_->putSignal(peer, channel); }
@@ -105,13 +112,14 @@ class SymmStaging {
   // Owner: waits for DONE from `reader` (one per post to it).
   void waitReader(int reader, Deadline deadline) { wait(reader, kDone, deadline); }
 
-  // Zero copy (see the top). The symmetric buffer holding all of [p, p + bytes), if it is
-  // host memory allocated over this communicator; null buffer: stage as usual.
+  // Zero copy (see the top; algorithms use ZeroCopy). The symmetric buffer holding all of
+  // [p, p + bytes) at an offset that is a multiple of `align`, if it is host memory
+  // allocated over this communicator; null buffer: stage as usual.
   struct Direct {
     std::shared_ptr<symm::SymmetricBuffer> buffer;
     size_t offset = 0;
   };
-  Direct directSource(const void* p, size_t bytes) const;
+  Direct directSource(const void* p, size_t bytes, size_t align = 1) const;
   // Owner, after acquire(h) and before publish(h, reader): `reader`'s block of this
   // operation is `bytes` at d.offset of d.buffer (or staged when d.buffer is null).
   void announce(int h, int reader, const Direct& d, size_t bytes);
@@ -155,6 +163,35 @@ class SymmStaging {
   uint64_t token_ = 0;         // read by peers in the probe
 };
 
+// Zero copy of one operation's input, on every rank (symm_staging.h top): this rank as an
+// owner (its input [in, in + bytes)) and as a reader (what each owner announced).
+class ZeroCopy {
+ public:
+  // `allowed`: false where the operation writes into its input while peers may read it
+  // (then it is staged). `align`: the element size (reductions read typed elements).
+  ZeroCopy(SymmStaging& s, const void* in, size_t bytes, size_t align, bool allowed);
+  bool direct() const { return d_.buffer != nullptr; }  // this rank's input is read in place
+  // Owner, at its first chunk (after acquire(h), before publish(h, reader)): `reader`
+  // reads [in + offset, + bytes) in place, or from the staging when not direct().
+  void announce(int h, int reader, size_t offset, size_t bytes);
+  void announceAll(int h, size_t offset, size_t bytes);
+  // Reader, after `owner`'s first READY (half h): the owner's announced range in this
+  // rank's mapping, or nullptr when staged; kept as from(owner). `op` names the
+  // operation in errors.
+  const char* learn(int owner, int h, size_t bytes, const char* op);
+  const char* from(int owner) const { return from_[owner]; }
+  // Owner, last (when direct()): every reader is done with the input once this returns,
+  // so the caller may overwrite it as soon as the operation completes.
+  void finish(Deadline deadline) {
+    if (direct()) s_.acquireAll(deadline);
+  }
+
+ private:
+  SymmStaging& s_;
+  SymmStaging::Direct d_;
+  std::vector<const char*> from_;  // by owner
+};
+
 // Blocks this process read in place from peers' symmetric input (zero copy), all staging
 // areas together: tests and telemetry check that the direct path was taken.
 uint64_t symmDirectReads();
@@ -184,10 +221,10 @@ struct Blocks {
 // one block per rank of it). symmReduceScatter: rank r's `out` (len[r] elements) =
 // reduce over ranks of their input block r (full op: premul scaling, avg division).
 // symmAllgather: every rank's `mine` (len[r] elements) lands at out + off[r] on every
-// rank (`nt`: streaming stores; `zero_copy`: peers read `mine` in place when it lies in
-// a symmetric buffer of this communicator).
+// rank (`nt`: streaming stores). `zero_copy`: peers read `in` / `mine` in place when it
+// lies in a symmetric buffer of this communicator.
 void symmReduceScatter(SymmStaging& s, const RunContext& x, const void* in, void* out, const Blocks& B,
-                       DataType t, ReduceOp op, const ReduceParams& prm);
+                       DataType t, ReduceOp op, const ReduceParams& prm, bool zero_copy = false);
 void symmAllgather(SymmStaging& s, const RunContext& x, const void* mine, void* out, const Blocks& B,
                    DataType t, bool nt, bool zero_copy = false);
 
