@@ -8,6 +8,12 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -19,6 +25,7 @@
 #include "comm/errors.h"
 #include "symmem/symmetric_heap.h"
 #include "torch_backend/backend.h"
+#include "torch_backend/withdraw.h"
 
 namespace py = pybind11;
 
@@ -42,6 +49,7 @@ struct HeapEntry {
   std::weak_ptr<Communicator> comm;
   symm::SymmetricHeap heap;
   std::shared_ptr<symm::SymmetricBuffer> barrier;
+  uint64_t empty_calls = 0;  // crossbar.symm.empty calls so far (alike on every rank)
 };
 
 struct HeapRegistry {
@@ -110,14 +118,118 @@ void checkPeerRank(const SymmAllocation& a, int peer, const char* op) {
                           " is not a rank of the group (size " + std::to_string(a.buffer->worldSize()) + ")");
 }
 
-at::Tensor emptyBytes(const py::object& backend, size_t nbytes) {
+// empty()'s descriptor exchange: an internal tag next to the backend's (monitored_barrier
+// kInternalTagBase + 0x200, the GPU ids + 0x201).
+constexpr uint32_t kEmptyDescriptorTag = kInternalTagBase + 0x202;
+constexpr size_t kMaxDims = 64;
+
+// What one rank asks of crossbar.symm.empty, sent to every other rank before allocating, so
+// ranks that disagree (also on dtype or shape at the same byte size) all fail alike.
+struct EmptyRequest {
+  uint64_t call = 0;  // empty() calls on this communicator before this one
+  uint64_t nbytes = 0;
+  char dtype[40] = {};  // "torch.float32"
+  uint64_t ndim = 0;
+  int64_t dims[kMaxDims] = {};
+
+  bool sameAs(const EmptyRequest& o) const {
+    return nbytes == o.nbytes && std::strncmp(dtype, o.dtype, sizeof(dtype)) == 0 && ndim == o.ndim &&
+           std::equal(dims, dims + ndim, o.dims);
+  }
+  std::string text() const {
+    std::vector<int64_t> shape(dims, dims + std::min<uint64_t>(ndim, kMaxDims));
+    return fmt::format("shape=({}{}), dtype={} ({} bytes)", fmt::join(shape, ", "), ndim == 1 ? "," : "",
+                       std::string(dtype, strnlen(dtype, sizeof(dtype))), nbytes);
+  }
+};
+
+// Sends this rank's request to every other rank and checks theirs (point to point on an
+// internal tag: the group's collectives may be busy). Every rank sees every request, so when
+// any two differ, every rank throws InvalidUsage (naming the first rank that differs from it).
+void checkSameEmptyRequest(Communicator& comm, HeapEntry& e, EmptyRequest mine,
+                           const std::vector<std::string>& hosts) {
+  const int n = comm.size(), me = comm.rank();
+  const char* op = "crossbar.symm.empty";
+  mine.call = e.empty_calls++;
+  auto all = std::make_shared<std::vector<EmptyRequest>>(static_cast<size_t>(n));
+  (*all)[static_cast<size_t>(me)] = mine;
+  std::vector<RequestPtr> reqs;
+  for (int r = 0; r < n; ++r) {
+    if (r == me) continue;
+    reqs.push_back(comm.irecv(&(*all)[static_cast<size_t>(r)], sizeof(EmptyRequest), r, kEmptyDescriptorTag));
+    reqs.push_back(comm.isend(&(*all)[static_cast<size_t>(me)], sizeof(EmptyRequest), r, kEmptyDescriptorTag));
+  }
+  const Deadline deadline = comm.defaultDeadline();
+  try {
+    comm.waitAll(reqs, deadline);
+  } catch (const Timeout&) {
+    std::vector<int> late;
+    std::vector<std::string> late_hosts;
+    for (size_t i = 0; i < reqs.size(); i += 2)
+      if (!reqs[i]->done()) {
+        late.push_back(static_cast<int>(i / 2) + (static_cast<int>(i / 2) >= me ? 1 : 0));
+        late_hosts.push_back(hosts[static_cast<size_t>(late.back())]);
+      }
+    withdrawAndHold(reqs, all);
+    throw Timeout(fmt::format("{}{} did not call it within {} ms (this rank's call #{}: {}); every rank of the "
+                              "group must call crossbar.symm.empty with the same shape and dtype, in the same order",
+                              errorContext(me, op), formatPeers(late, late_hosts), comm.timeout().count(), mine.call,
+                              mine.text()),
+                  late);
+  } catch (...) {
+    withdrawAndHold(reqs, all);
+    throw;
+  }
+  for (int r = 0; r < n; ++r) {
+    const EmptyRequest& theirs = (*all)[static_cast<size_t>(r)];
+    if (theirs.call != mine.call)
+      throw InvalidUsage(fmt::format("{}rank {} (host {}) is at its crossbar.symm.empty call #{} on this group, this "
+                                     "rank at #{}: every rank must make the same calls, in the same order (an earlier "
+                                     "call failed on some ranks only?)",
+                                     errorContext(me, op), r, hosts[static_cast<size_t>(r)], theirs.call, mine.call),
+                         {r});
+    if (!theirs.sameAs(mine))
+      throw InvalidUsage(fmt::format("{}rank {} (host {}) asked for {}, this rank for {}: every rank of the group must "
+                                     "call crossbar.symm.empty with the same shape and dtype, in the same order",
+                                     errorContext(me, op), r, hosts[static_cast<size_t>(r)], theirs.text(),
+                                     mine.text()),
+                         {r});
+  }
+}
+
+// Collective: a zero-filled uint8 tensor over a new symmetric buffer, after every rank
+// confirmed it asks for the same shape and dtype.
+at::Tensor emptyBytes(const py::object& backend, const std::vector<int64_t>& shape, const std::string& dtype,
+                      size_t itemsize) {
   auto comm = communicatorOf(backend);
   auto alloc = std::make_shared<SymmAllocation>();
   alloc->timeout = comm->timeout();
   for (int r = 0; r < comm->size(); ++r) alloc->hosts.push_back(comm->host(r));
+  const char* op = "crossbar.symm.empty";
+  EmptyRequest mine;
+  if (shape.size() > kMaxDims)
+    throw InvalidArgument(fmt::format("{}{} dimensions; symmetric tensors have at most {}",
+                                      errorContext(comm->rank(), op), shape.size(), kMaxDims));
+  if (dtype.size() >= sizeof(mine.dtype))
+    throw InvalidArgument(fmt::format("{}dtype name '{}' is too long", errorContext(comm->rank(), op), dtype));
+  size_t nbytes = itemsize;
+  for (int64_t d : shape) {
+    if (d < 0)
+      throw InvalidArgument(fmt::format("{}negative dimension in shape ({})", errorContext(comm->rank(), op),
+                                        fmt::join(shape, ", ")));
+    if (d > 0 && nbytes > SIZE_MAX / static_cast<size_t>(d))
+      throw InvalidArgument(fmt::format("{}shape ({}) is too large", errorContext(comm->rank(), op),
+                                        fmt::join(shape, ", ")));
+    nbytes *= static_cast<size_t>(d);
+  }
+  mine.nbytes = nbytes;
+  std::memcpy(mine.dtype, dtype.data(), dtype.size());
+  mine.ndim = shape.size();
+  std::copy(shape.begin(), shape.end(), mine.dims);
   {
     py::gil_scoped_release release;
     HeapEntry& e = heapOf(comm);
+    checkSameEmptyRequest(*comm, e, mine, alloc->hosts);
     // At least one byte: an empty tensor still takes part in the collective allocation.
     alloc->buffer = e.heap.allocate(nbytes > 0 ? nbytes : 1);
   }
@@ -156,9 +268,9 @@ void barrier(const py::object& backend, std::optional<double> timeout_s) {
 
 void bindSymm(py::module_& m) {
   auto s = m.def_submodule("_symm", "symmetric-memory tensors (see crossbar.symm)");
-  s.def(
-      "empty_bytes", &emptyBytes, py::arg("backend"), py::arg("nbytes"),
-      "Collective over the backend's group: a zero-filled uint8 CPU tensor of nbytes in a symmetric buffer.");
+  s.def("empty_bytes", &emptyBytes, py::arg("backend"), py::arg("shape"), py::arg("dtype"), py::arg("itemsize"),
+        "Collective over the backend's group: a zero-filled uint8 CPU tensor of prod(shape) * itemsize bytes in a "
+        "symmetric buffer; InvalidUsage on every rank when ranks ask for different shapes or dtypes (named).");
   s.def("peer", &peerView, py::arg("t"), py::arg("rank"));
   s.def(
       "signal",

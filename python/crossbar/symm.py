@@ -14,15 +14,13 @@ A symmetric tensor's storage is a ``SymmetricBuffer`` from one heap per crossbar
 (made at the group's first ``empty``), over the same communicator the group's collectives use,
 so one-node all_gather_into_tensor / all_to_all_single read it in place. Buffers start
 zero-filled and live as long as the tensor's storage (or any peer view of it). Errors are
-crossbar's typed exceptions (``InvalidUsage`` when ranks allocate different sizes,
-``TimeoutError`` when a wait's deadline passes).
+crossbar's typed exceptions (``InvalidUsage`` on every rank when ranks ask for different shapes
+or dtypes, ``TimeoutError`` when a wait's deadline passes).
 
 CPU tensors (host memory) only for now: CUDA symmetric tensors raise ``Unsupported``.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -44,11 +42,8 @@ def empty(shape, dtype: torch.dtype = torch.float32, group=None, device=None) ->
     if any(d < 0 for d in shape):
         raise errors.InvalidArgument(f"crossbar.symm.empty: negative dimension in shape {shape}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    try:
-        raw = _C._symm.empty_bytes(crossbar_backend(group, "crossbar.symm"), math.prod(shape) * itemsize)
-    except errors.InvalidUsage as e:  # ranks disagree: say which call, in the caller's terms
-        e.args = (f"crossbar.symm.empty(shape={shape}, dtype={dtype}): {e}",)
-        raise
+    # Ranks that ask for different shapes or dtypes get InvalidUsage, all of them.
+    raw = _C._symm.empty_bytes(crossbar_backend(group, "crossbar.symm"), list(shape), str(dtype), itemsize)
     return raw.view(dtype).view(shape)
 
 

@@ -94,21 +94,46 @@ def test_symm_views_signals_collectives(world):
     run_ranks(_views_signals_collectives, world)
 
 
+def _shape_text(shape) -> str:  # as Python prints a tuple
+    return str(tuple(shape))
+
+
 def _mismatch(rank, world):
     import crossbar
     import crossbar.symm as symm
 
     ok = symm.empty((2, 2), dtype=torch.int64)  # agreeing allocations work before and after
     assert ok.dtype == torch.int64
-    dtype = torch.float32 if rank == 0 else torch.float64
-    with pytest.raises(crossbar.InvalidUsage) as e:
-        symm.empty((4, 8), dtype=dtype)
-    msg = str(e.value)
-    assert f"rank {1 - rank}" in msg and "same sizes" in msg and f"dtype={dtype}" in msg, msg
+    other = 1 if rank == 0 else 0  # the first rank that asks for something else
+    # Rank 0 against all others: different byte sizes, then the same byte size with another
+    # dtype, then another shape. Every rank raises InvalidUsage naming a rank that differs from
+    # it and both requests.
+    cases = [
+        ((4, 8), torch.float32, (4, 8), torch.float64),
+        ((4,), torch.float32, (4,), torch.int32),
+        ((2, 8), torch.float32, (4, 4), torch.float32),
+    ]
+    for shape0, dtype0, shape1, dtype1 in cases:
+        mine, theirs = ((shape0, dtype0), (shape1, dtype1)) if rank == 0 else ((shape1, dtype1), (shape0, dtype0))
+        with pytest.raises(crossbar.InvalidUsage) as e:
+            symm.empty(mine[0], dtype=mine[1])
+        msg = str(e.value)
+        assert f"rank {other} (host " in msg, msg
+        assert f"asked for shape={_shape_text(theirs[0])}, dtype={theirs[1]}" in msg, msg
+        assert f"this rank for shape={_shape_text(mine[0])}, dtype={mine[1]}" in msg, msg
+        assert "same shape and dtype" in msg, msg
+    # The group's heap is still in step: an agreeing allocation works and is symmetric.
+    t = symm.empty(4, dtype=torch.int32)
+    t.fill_(rank + 1)
+    symm.barrier()
+    for r in range(world):
+        assert torch.equal(symm.peer(t, r), torch.full((4,), r + 1, dtype=torch.int32))
+    symm.barrier()
 
 
-def test_symm_size_mismatch_is_invalid_usage():
-    run_ranks(_mismatch, 2)
+@pytest.mark.parametrize("world", [2, 3])
+def test_symm_mismatch_is_invalid_usage_on_every_rank(world):
+    run_ranks(_mismatch, world)
 
 
 def _virtual_nodes(rank, world):
