@@ -5,9 +5,11 @@
 //
 // Codecs (a row of `hidden` values; the last block may be partial):
 //   kFp8Block128  DeepSeek-V3 recipe: per 128 values one f32 scale = amax / 448 and
-//                 q = e4m3_sat(x / scale); dequant q * scale. An all-zero block uses
-//                 scale 1 (so 0 -> 0 with no division by zero); scales never go below
-//                 FLT_MIN so neither side ever handles a subnormal scale.
+//                 q = e4m3_sat(x * (448 / amax)) (DeepGEMM's per_token_cast_to_fp8 and
+//                 DeepEP: one multiply per element by a per-block factor, not a
+//                 division by the scale); dequant q * scale. An all-zero block uses
+//                 scale 1 (factor 1); scales never go below FLT_MIN so neither side ever
+//                 handles a subnormal scale (a clamped block's factor is 1 / FLT_MIN).
 //   kMxfp8        OCP MX v1.0 MXFP8 (E4M3): per 32 values one E8M0 scale
 //                 X = 2^(floor(log2(amax)) - 8), 8 being E4M3's largest exponent, and
 //                 q = e4m3_sat(x / X); values past 448 * X saturate as the spec says.
@@ -134,8 +136,24 @@ CROSSBAR_HDI float fp8BlockScale(BlockAmax s) {
   return scale < kFloatMinNormal ? kFloatMinNormal : scale;
 }
 
-CROSSBAR_HDI uint8_t fp8BlockEncode(float x, float scale) {
-  return floatToE4M3Bits(x / scale, Saturate::kFinite);  // NaN scale -> NaN code
+// What a block's elements are multiplied by before rounding: 448 / amax (both roundings,
+// this division and the product, are IEEE round-to-nearest on both sides). |x| <= amax
+// keeps |x * factor| <= 448 (1 + 2^-23), which rounds to 448: nothing in a finite block
+// saturates. A clamped scale (amax / 448 < FLT_MIN) gives 2^126 = 1 / FLT_MIN exactly, so
+// such a block's codes are x / FLT_MIN, as they were when the encoder divided.
+CROSSBAR_HDI float fp8BlockFactor(BlockAmax s) {
+  if (s.nonFinite) return bitsFloat(0x7FC00000u);
+  if (s.amax == 0.0f) return 1.0f;
+  if (s.amax / kE4M3Max < kFloatMinNormal) return 0x1p126f;
+  return kE4M3Max / s.amax;
+}
+
+// `factor` is fp8BlockFactor's. A poisoned block's (NaN) factor gives 0x7F for every
+// element, whatever x's sign or NaN payload: x * NaN's NaN depends on the operand order on
+// x86 and is canonical on the GPU, so the product's bits are not used.
+CROSSBAR_HDI uint8_t fp8BlockEncode(float x, float factor) {
+  if (isNanFloat(factor)) return 0x7Fu;
+  return floatToE4M3Bits(x * factor, Saturate::kFinite);
 }
 
 CROSSBAR_HDI float fp8BlockDecode(uint8_t q, float scale) {
@@ -145,9 +163,10 @@ CROSSBAR_HDI float fp8BlockDecode(uint8_t q, float scale) {
 // Quantizes one block of count (<= 128) values; returns its scale.
 template <class T>
 CROSSBAR_HDI float fp8BlockQuantize(const T* x, int count, uint8_t* q) {
-  float scale = fp8BlockScale(blockAmax(x, count));
-  for (int i = 0; i < count; ++i) q[i] = fp8BlockEncode(toFloat(x[i]), scale);
-  return scale;
+  const BlockAmax a = blockAmax(x, count);
+  const float factor = fp8BlockFactor(a);
+  for (int i = 0; i < count; ++i) q[i] = fp8BlockEncode(toFloat(x[i]), factor);
+  return fp8BlockScale(a);
 }
 
 template <class T>

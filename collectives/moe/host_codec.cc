@@ -73,19 +73,19 @@ BlockAmax amaxOf(const T* __restrict x, int count) {
   return BlockAmax{asFloat(amax), nonfinite != 0};
 }
 
-// E4M3 (saturating) code of x * mul or x / div (one of them 1: the shared codecs divide
-// for fp8 block-128 and multiply by a power of two for MXFP8), for count elements. Same
+// E4M3 (saturating) code of x * mul (fp8 block-128: fp8BlockFactor; MXFP8: a power of
+// two), for count elements. Same
 // bytes as floatToE4M3Bits(..., Saturate::kFinite): magnitudes at or above 2^-6 round with
 // its constant-shift form; below, adding 2^14 (whose ulp is E4M3's subnormal quantum 2^-9)
 // rounds to nearest-even exactly as its integer path does, and the bits above 2^14 count
 // the quanta.
 template <class T>
-void e4m3Block(const T* __restrict x, int count, float div, float mul, uint8_t* __restrict q) {
+void e4m3Block(const T* __restrict x, int count, float mul, uint8_t* __restrict q) {
   // 32-bit lanes first (one vector type for the whole computation), then narrowed.
   uint32_t codes[kFp8BlockSize];
   for (int i = 0; i < count; ++i) {
     const uint32_t b = bitsAt(x, i);
-    const float v = asFloat(b) * mul / div;
+    const float v = asFloat(b) * mul;
     const uint32_t vb = floatBitsOf(v);
     const uint32_t sign = (vb >> 24) & 0x80u;
     const uint32_t a = vb & 0x7FFFFFFFu;
@@ -107,8 +107,12 @@ void encodeRow(PayloadCodec codec, const T* x, size_t hidden, uint8_t* payload, 
       auto* s = static_cast<float*>(scales);
       for (size_t b = 0, i = 0; i < hidden; ++b, i += kFp8BlockSize) {
         const int count = blockCount(hidden, i, kFp8BlockSize);
-        s[b] = fp8BlockScale(amaxOf(x + i, count));
-        e4m3Block(x + i, count, s[b], 1.0f, payload + i);
+        const BlockAmax a = amaxOf(x + i, count);
+        s[b] = fp8BlockScale(a);
+        if (a.nonFinite)  // fp8BlockEncode: every code of a poisoned block is 0x7F
+          std::memset(payload + i, 0x7F, static_cast<size_t>(count));
+        else
+          e4m3Block(x + i, count, fp8BlockFactor(a), payload + i);
       }
       return;
     }
@@ -122,7 +126,7 @@ void encodeRow(PayloadCodec codec, const T* x, size_t hidden, uint8_t* payload, 
           continue;
         }
         // mxfp8Encode's exact multiply by 2^(127 - scale).
-        e4m3Block(x + i, count, 1.0f, asFloat(static_cast<uint32_t>(254 - s[b]) << 23), payload + i);
+        e4m3Block(x + i, count, asFloat(static_cast<uint32_t>(254 - s[b]) << 23), payload + i);
       }
       return;
     }
@@ -251,10 +255,9 @@ CROSSBAR_AVX2 BlockAmax amaxOf(const T* x, int count) {
                    _mm256_movemask_epi8(bad) != 0};
 }
 
-// scalar::e4m3Block's code for eight already-scaled values (32-bit lanes, 0..255).
-// kMayBeNan = false: the caller knows no lane is NaN (a block without NaN/Inf, divided by a
-// finite scale or multiplied by a power of two that keeps it finite): the NaN select goes.
-template <bool kMayBeNan = true>
+// scalar::e4m3Block's code for eight already-scaled values that are not NaN (32-bit lanes,
+// 0..255): the general form, for block tails (poisoned blocks never get here: their codes
+// are all 0x7F).
 CROSSBAR_AVX2 inline __m256i e4m3Codes(__m256 v) {
   const __m256i vb = _mm256_castps_si256(v);
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(vb, 24), set1(0x80u));
@@ -268,10 +271,6 @@ CROSSBAR_AVX2 inline __m256i e4m3Codes(__m256 v) {
   const __m256i is_sub = _mm256_cmpgt_epi32(set1(121u << 23), a);
   __m256i code = _mm256_blendv_epi8(normal, sub, is_sub);
   code = _mm256_min_epu32(code, set1(0x7Eu));  // saturate (Inf included)
-  if constexpr (kMayBeNan) {
-    const __m256i is_nan = _mm256_cmpgt_epi32(a, set1(0x7F800000u));
-    code = _mm256_or_si256(code, _mm256_and_si256(is_nan, set1(0x7Fu)));  // code <= 0x7E: or gives 0x7F
-  }
   return _mm256_or_si256(sign, code);
 }
 
@@ -288,30 +287,159 @@ CROSSBAR_AVX2 inline uint64_t narrow8(__m256i c) {
          static_cast<uint64_t>(static_cast<uint32_t>(_mm_cvtsi128_si32(hi))) << 32;
 }
 
-// The value scalar::e4m3Block rounds: x / div (fp8 block-128) or x * mul (MXFP8).
+// e4m3Codes of x * mul for count elements (a block's tail), nothing read or written past it.
 template <class T>
-CROSSBAR_AVX2 inline __m256 scaled(const T* x, int n, __m256 div, __m256 mul, bool divide) {
-  const __m256 v = _mm256_castsi256_ps(bits8(x, n));
-  return divide ? _mm256_div_ps(v, div) : _mm256_mul_ps(v, mul);
-}
-
-template <bool kMayBeNan, class T>
-CROSSBAR_AVX2 void e4m3Block(const T* x, int count, float div, float mul, uint8_t* q) {
-  const bool divide = mul == 1.0f;  // fp8 block-128 divides (x * 1 == x), MXFP8 multiplies
-  const __m256 vd = _mm256_set1_ps(div), vm = _mm256_set1_ps(mul);
-  int i = 0;
-  for (; i + 32 <= count; i += 32) {
-    const __m256i c0 = e4m3Codes<kMayBeNan>(scaled(x + i, 8, vd, vm, divide));
-    const __m256i c1 = e4m3Codes<kMayBeNan>(scaled(x + i + 8, 8, vd, vm, divide));
-    const __m256i c2 = e4m3Codes<kMayBeNan>(scaled(x + i + 16, 8, vd, vm, divide));
-    const __m256i c3 = e4m3Codes<kMayBeNan>(scaled(x + i + 24, 8, vd, vm, divide));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), narrow32(c0, c1, c2, c3));
-  }
-  for (; i < count; i += 8) {
+CROSSBAR_AVX2 void e4m3Block(const T* x, int count, float mul, uint8_t* q) {
+  const __m256 vm = _mm256_set1_ps(mul);
+  for (int i = 0; i < count; i += 8) {
     const int n = count - i < 8 ? count - i : 8;
-    const uint64_t bytes = narrow8(e4m3Codes<kMayBeNan>(scaled(x + i, n, vd, vm, divide)));
+    const uint64_t bytes = narrow8(e4m3Codes(_mm256_mul_ps(_mm256_castsi256_ps(bits8(x + i, n)), vm)));
     std::memcpy(q + i, &bytes, static_cast<size_t>(n));
   }
+}
+
+// ---- the fast E4M3 encode (full 32-element chunks of a block without NaN/Inf) ----
+// E4M3 magnitude code of each lane's a (0 <= a <= 448, not NaN) in the lane's LOW BYTE (the
+// bytes above it are garbage), with one float addition doing the rounding: for
+// e = max(floor(log2 a), -6), c = 2^(e + 20) has ulp 2^(e - 3), which is E4M3's quantum in
+// a's binade (and its subnormal quantum 2^-9 below 2^-6), so a + c rounds a to nearest-even
+// in units of that quantum: bits(a + c) = bits(c) + m, m = the rounded a in quanta (0..16;
+// 16 is the next binade's first code), and the code is 8 (e + 6) + m. c carries 56 in its
+// low mantissa bits: even, so the parity of the rounded sum (ties-to-even) and its binade
+// are unchanged, and chosen so the low byte comes out right without a subtraction:
+// 56 + m + (bits(2^e) >> 20) = 56 + m + 8 (e + 127) = 8 (e + 6) + m + 1024.
+// Same codes as scalar::e4m3Block / floatToE4M3Bits (test_quant_simd checks every boundary).
+CROSSBAR_AVX2 inline __m256i e4m3LowByte(__m256 a) {
+  const __m256i expo = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(a), set1(0x7F800000u)),
+                                        set1(121u << 23));  // 2^e, e >= -6
+  const __m256i c = _mm256_add_epi32(expo, set1((20u << 23) + 56u));
+  const __m256i sum = _mm256_castps_si256(_mm256_add_ps(a, _mm256_castsi256_ps(c)));
+  return _mm256_and_si256(_mm256_add_epi32(sum, _mm256_srli_epi32(expo, 20)), set1(0xFFu));
+}
+
+// |x| * factor's E4M3 magnitude codes (32-bit lanes, 0..126). kSaturate: clamp to 448 first
+// (MXFP8's values reach 512); fp8 block-128's never pass 448 (1 + 2^-23), which rounds to 448.
+template <bool kSaturate>
+CROSSBAR_AVX2 inline __m256i e4m3Magnitudes(__m256i abs_bits, __m256 factor) {
+  __m256 a = _mm256_mul_ps(_mm256_castsi256_ps(abs_bits), factor);  // = |x * factor|
+  if constexpr (kSaturate) a = _mm256_min_ps(a, _mm256_set1_ps(kE4M3Max));
+  return e4m3LowByte(a);
+}
+
+// 32 codes of x * factor (x finite; factor > 0 finite), signs from x: the sign bytes come
+// from packing x's bits with signed saturation (a negative lane stays negative), in the same
+// lane order as the magnitudes' packs.
+template <bool kSaturate>
+CROSSBAR_AVX2 inline void e4m3Chunk32(const BFloat16* x, __m256 factor, uint8_t* q) {
+  const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+  const __m256i sign =
+      _mm256_and_si256(_mm256_packs_epi16(h0, h1), _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i abs16 = _mm256_set1_epi16(0x7FFF), zero = _mm256_setzero_si256();
+  const __m256i a0 = _mm256_and_si256(h0, abs16), a1 = _mm256_and_si256(h1, abs16);
+  // bf16 -> binary32 bits by interleaving with zeros: per 128-bit lane, elements 0-3 | 8-11 etc.
+  const __m256i c0 = e4m3Magnitudes<kSaturate>(_mm256_unpacklo_epi16(zero, a0), factor);
+  const __m256i c1 = e4m3Magnitudes<kSaturate>(_mm256_unpackhi_epi16(zero, a0), factor);
+  const __m256i c2 = e4m3Magnitudes<kSaturate>(_mm256_unpacklo_epi16(zero, a1), factor);
+  const __m256i c3 = e4m3Magnitudes<kSaturate>(_mm256_unpackhi_epi16(zero, a1), factor);
+  // Both packs leave 64-bit groups in the order 0-7, 16-23 | 8-15, 24-31.
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permute4x64_epi64(_mm256_or_si256(b, sign), 0xD8));
+}
+template <bool kSaturate>
+CROSSBAR_AVX2 inline void e4m3Chunk32(const float* x, __m256 factor, uint8_t* q) {
+  const __m256i v0 = bits8(x), v1 = bits8(x + 8), v2 = bits8(x + 16), v3 = bits8(x + 24);
+  const __m256i sign =
+      _mm256_and_si256(_mm256_packs_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3)),
+                       _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i abs_mask = set1(0x7FFFFFFFu);
+  const __m256i c0 = e4m3Magnitudes<kSaturate>(_mm256_and_si256(v0, abs_mask), factor);
+  const __m256i c1 = e4m3Magnitudes<kSaturate>(_mm256_and_si256(v1, abs_mask), factor);
+  const __m256i c2 = e4m3Magnitudes<kSaturate>(_mm256_and_si256(v2, abs_mask), factor);
+  const __m256i c3 = e4m3Magnitudes<kSaturate>(_mm256_and_si256(v3, abs_mask), factor);
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+  _mm256_storeu_si256(
+      reinterpret_cast<__m256i*>(q),
+      _mm256_permutevar8x32_epi32(_mm256_or_si256(b, sign), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// Largest |x| bit pattern over count elements, NaN and Inf included (>= 0x7F800000 means the
+// block is poisoned; otherwise it is blockAmax's amax). bf16 works on 16-bit lanes.
+CROSSBAR_AVX2 inline uint32_t absMaxBits(const BFloat16* x, int count) {
+  const __m256i abs16 = _mm256_set1_epi16(0x7FFF);
+  __m256i m0 = _mm256_setzero_si256(), m1 = m0;
+  int i = 0;
+  for (; i + 32 <= count; i += 32) {
+    m0 = _mm256_max_epu16(
+        m0, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs16));
+    m1 = _mm256_max_epu16(
+        m1, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16)), abs16));
+  }
+  m0 = _mm256_max_epu16(m0, m1);
+  // Horizontal max of 16 lanes: minpos finds the smallest of the complements.
+  const __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m0), _mm256_extracti128_si256(m0, 1));
+  const __m128i mp = _mm_minpos_epu16(_mm_xor_si128(h, _mm_set1_epi32(-1)));
+  uint32_t amax = (~static_cast<uint32_t>(_mm_cvtsi128_si32(mp)) & 0xFFFFu) << 16;
+  for (; i < count; ++i) {
+    const uint32_t a = scalar::bitsAt(x, i) & 0x7FFFFFFFu;
+    amax = a > amax ? a : amax;
+  }
+  return amax;
+}
+CROSSBAR_AVX2 inline uint32_t absMaxBits(const float* x, int count) {
+  const __m256i abs_mask = set1(0x7FFFFFFFu);
+  __m256i m0 = _mm256_setzero_si256(), m1 = m0;
+  int i = 0;
+  for (; i + 16 <= count; i += 16) {
+    m0 = _mm256_max_epu32(m0, _mm256_and_si256(bits8(x + i), abs_mask));
+    m1 = _mm256_max_epu32(m1, _mm256_and_si256(bits8(x + i + 8), abs_mask));
+  }
+  const __m256i m = _mm256_max_epu32(m0, m1);
+  __m128i h = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
+  uint32_t amax = static_cast<uint32_t>(_mm_cvtsi128_si32(h));
+  for (; i < count; ++i) {
+    const uint32_t a = scalar::bitsAt(x, i) & 0x7FFFFFFFu;
+    amax = a > amax ? a : amax;
+  }
+  return amax;
+}
+
+// One fp8 block-128 block (count <= 128): codes and scale, as fp8BlockQuantize.
+template <class T>
+CROSSBAR_AVX2 float fp8Block(const T* x, int count, uint8_t* q) {
+  const uint32_t amax_bits = absMaxBits(x, count);
+  if (amax_bits >= 0x7F800000u) {  // a NaN or Inf: every code NaN, scale NaN (fp8BlockEncode)
+    std::memset(q, 0x7F, static_cast<size_t>(count));
+    return fp8BlockScale(BlockAmax{0.0f, true});
+  }
+  const BlockAmax a{scalar::asFloat(amax_bits), false};
+  const float factor = fp8BlockFactor(a);
+  const __m256 vf = _mm256_set1_ps(factor);
+  int i = 0;
+  for (; i + 32 <= count; i += 32) e4m3Chunk32<false>(x + i, vf, q + i);
+  if (i < count) e4m3Block(x + i, count - i, factor, q + i);
+  return fp8BlockScale(a);
+}
+
+// One MXFP8 block (count <= 32): codes and E8M0 scale, as mxfp8Quantize.
+template <class T>
+CROSSBAR_AVX2 uint8_t mxfp8Block(const T* x, int count, uint8_t* q) {
+  const uint32_t amax_bits = absMaxBits(x, count);
+  if (amax_bits >= 0x7F800000u) {  // poisoned: mxfp8Scale's 0xFF, every code NaN
+    std::memset(q, 0x7F, static_cast<size_t>(count));
+    return 0xFFu;
+  }
+  const uint8_t scale = mxfp8Scale(BlockAmax{scalar::asFloat(amax_bits), false});
+  // mxfp8Encode's exact multiply by 2^(127 - scale).
+  const float factor = scalar::asFloat(static_cast<uint32_t>(254 - scale) << 23);
+  if (count == kMxBlockSize)
+    e4m3Chunk32<true>(x, _mm256_set1_ps(factor), q);
+  else
+    e4m3Block(x, count, factor, q);
+  return scale;
 }
 
 // floatToE2M1Bits of eight values (32-bit lanes, 0..15): |v| >= 1 rounds with
@@ -332,39 +460,6 @@ CROSSBAR_AVX2 inline __m256i e2m1Codes(__m256 v) {
   __m256i code = _mm256_blendv_epi8(normal, sub, is_sub);
   code = _mm256_min_epu32(code, set1(0x7u));  // saturate (Inf included); NaN: 7
   return _mm256_or_si256(sign, code);
-}
-
-// One full MXFP8 block (32 values) from registers: amax, scale and codes in one pass (the
-// general path reloads the block and pays a loop per step). Same result as amaxOf +
-// mxfp8Scale + e4m3Block.
-template <class T>
-CROSSBAR_AVX2 uint8_t mxfp8FullBlock(const T* x, uint8_t* q) {
-  const __m256i abs_mask = set1(0x7FFFFFFFu), below_inf = set1(0x7F7FFFFFu);
-  const __m256i v0 = bits8(x), v1 = bits8(x + 8), v2 = bits8(x + 16), v3 = bits8(x + 24);
-  const __m256i a0 = _mm256_and_si256(v0, abs_mask), a1 = _mm256_and_si256(v1, abs_mask);
-  const __m256i a2 = _mm256_and_si256(v2, abs_mask), a3 = _mm256_and_si256(v3, abs_mask);
-  const __m256i nf0 = _mm256_cmpgt_epi32(a0, below_inf), nf1 = _mm256_cmpgt_epi32(a1, below_inf);
-  const __m256i nf2 = _mm256_cmpgt_epi32(a2, below_inf), nf3 = _mm256_cmpgt_epi32(a3, below_inf);
-  const __m256i bad = _mm256_or_si256(_mm256_or_si256(nf0, nf1), _mm256_or_si256(nf2, nf3));
-  if (_mm256_movemask_epi8(bad) != 0) {  // a NaN or Inf: mxfp8Scale's poisoned block
-    std::memset(q, 0x7F, kMxBlockSize);
-    return 0xFFu;
-  }
-  const __m256i m = _mm256_max_epi32(_mm256_max_epi32(a0, a1), _mm256_max_epi32(a2, a3));
-  __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
-  h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-  h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-  const uint8_t scale =
-      mxfp8Scale(BlockAmax{scalar::asFloat(static_cast<uint32_t>(_mm_cvtsi128_si32(h))), false});
-  // mxfp8Encode's exact multiply by 2^(127 - scale).
-  const __m256 inv = _mm256_castsi256_ps(set1(static_cast<uint32_t>(254 - scale) << 23));
-  // Finite values times 2^(127 - scale), below 2^9: no NaN lane.
-  const __m256i c0 = e4m3Codes<false>(_mm256_mul_ps(_mm256_castsi256_ps(v0), inv));
-  const __m256i c1 = e4m3Codes<false>(_mm256_mul_ps(_mm256_castsi256_ps(v1), inv));
-  const __m256i c2 = e4m3Codes<false>(_mm256_mul_ps(_mm256_castsi256_ps(v2), inv));
-  const __m256i c3 = e4m3Codes<false>(_mm256_mul_ps(_mm256_castsi256_ps(v3), inv));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), narrow32(c0, c1, c2, c3));
-  return scale;
 }
 
 // One NVFP4 block (count <= 16): scale byte, and (count + 1) / 2 packed bytes, low nibble
@@ -398,35 +493,14 @@ CROSSBAR_AVX2 void encodeRow(PayloadCodec codec, const T* x, size_t hidden, uint
   switch (codec) {
     case PayloadCodec::kFp8Block128: {
       auto* s = static_cast<float*>(scales);
-      for (size_t b = 0, i = 0; i < hidden; ++b, i += kFp8BlockSize) {
-        const int count = blockCount(hidden, i, kFp8BlockSize);
-        const BlockAmax a = amaxOf(x + i, count);
-        s[b] = fp8BlockScale(a);
-        // Without NaN/Inf in the block, x / scale is finite (|x / scale| <= ~448): no NaN lane.
-        if (a.nonFinite)
-          e4m3Block<true>(x + i, count, s[b], 1.0f, payload + i);
-        else
-          e4m3Block<false>(x + i, count, s[b], 1.0f, payload + i);
-      }
+      for (size_t b = 0, i = 0; i < hidden; ++b, i += kFp8BlockSize)
+        s[b] = fp8Block(x + i, blockCount(hidden, i, kFp8BlockSize), payload + i);
       return;
     }
     case PayloadCodec::kMxfp8: {
       auto* s = static_cast<uint8_t*>(scales);
-      for (size_t b = 0, i = 0; i < hidden; ++b, i += kMxBlockSize) {
-        const int count = blockCount(hidden, i, kMxBlockSize);
-        if (count == kMxBlockSize) {
-          s[b] = mxfp8FullBlock(x + i, payload + i);
-          continue;
-        }
-        s[b] = mxfp8Scale(amaxOf(x + i, count));
-        if (s[b] == 0xFFu) {
-          std::memset(payload + i, 0x7F, static_cast<size_t>(count));
-          continue;
-        }
-        // mxfp8Encode's exact multiply by 2^(127 - scale) (e4m3Block divides only when the
-        // factor is 1, which gives the same result).
-        e4m3Block<true>(x + i, count, 1.0f, scalar::asFloat(static_cast<uint32_t>(254 - s[b]) << 23), payload + i);
-      }
+      for (size_t b = 0, i = 0; i < hidden; ++b, i += kMxBlockSize)
+        s[b] = mxfp8Block(x + i, blockCount(hidden, i, kMxBlockSize), payload + i);
       return;
     }
     case PayloadCodec::kNvfp4: {
@@ -508,8 +582,9 @@ CROSSBAR_AVX2 inline bool nanFreeBlock(const uint8_t* q, int count, float scale)
   int i = 0;
   for (; i + 32 <= count; i += 32)
     nan_code = _mm256_or_si256(
-        nan_code, _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i)), low7),
-                                    low7));
+        nan_code,
+        _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i)), low7),
+                          low7));
   for (; i < count; ++i)
     if ((q[i] & 0x7F) == 0x7F) return false;
   return _mm256_movemask_epi8(nan_code) == 0;

@@ -60,8 +60,8 @@ __global__ void quantKernel(const In* x, size_t hidden, uint8_t* payload, uint8_
   mxfp8Dequantize(payload, 32, scales8[0], out);
   scales8[1] = nvfp4Quantize(x, 16, nvfp4GlobalScale(a), payload);
   nvfp4Dequantize(payload, 16, scales8[1], g, out);
-  payload[0] = fp8BlockEncode(1.0f, fp8BlockScale(a)) + mxfp8Encode(1.0f, mxfp8Scale(a)) +
-               nvfp4Encode(1.0f, nvfp4Divisor(nvfp4BlockScale(a, g), g));
+  payload[0] = fp8BlockEncode(1.0f, fp8BlockFactor(a)) + static_cast<uint8_t>(fp8BlockScale(a)) +
+               mxfp8Encode(1.0f, mxfp8Scale(a)) + nvfp4Encode(1.0f, nvfp4Divisor(nvfp4BlockScale(a, g), g));
   out[0] = fromFloat<Out>(fp8BlockDecode(1, 1.0f) + mxfp8Decode(1, 127) + nvfp4Decode(1, 1.0f) +
                           static_cast<float>(floorLog2(3.0f) + blockCount(hidden, 0, 16) +
                                              numBlocks(PayloadCodec::kNvfp4, hidden) +

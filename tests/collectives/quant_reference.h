@@ -250,8 +250,19 @@ inline float fp8BlockScale(BlockAmax s) {
   return scale < kFloatMinNormal ? kFloatMinNormal : scale;
 }
 
-inline uint8_t fp8BlockEncode(float x, float scale) {
-  return quant_ref::floatToE4M3Bits(x / scale, Saturate::kFinite);  // NaN scale -> NaN code
+// Session 7 changed fp8 block-128 from x / scale to x * (448 / amax) (DeepGEMM / DeepEP's
+// form, quant.h fp8BlockFactor); the reference follows so that it still checks the
+// rounding cores, which stay frozen.
+inline float fp8BlockFactor(BlockAmax s) {
+  if (s.nonFinite) return bitsFloat(0x7FC00000u);
+  if (s.amax == 0.0f) return 1.0f;
+  if (s.amax / kE4M3Max < kFloatMinNormal) return 0x1p126f;
+  return kE4M3Max / s.amax;
+}
+
+inline uint8_t fp8BlockEncode(float x, float factor) {
+  if (factor != factor) return 0x7Fu;  // poisoned block: 0x7F whatever x is
+  return quant_ref::floatToE4M3Bits(x * factor, Saturate::kFinite);
 }
 
 inline float fp8BlockDecode(uint8_t q, float scale) {
@@ -261,9 +272,10 @@ inline float fp8BlockDecode(uint8_t q, float scale) {
 // Quantizes one block of count (<= 128) values; returns its scale.
 template <class T>
 inline float fp8BlockQuantize(const T* x, int count, uint8_t* q) {
-  float scale = quant_ref::fp8BlockScale(quant_ref::blockAmax(x, count));
-  for (int i = 0; i < count; ++i) q[i] = quant_ref::fp8BlockEncode(quant_ref::toFloat(x[i]), scale);
-  return scale;
+  const BlockAmax a = quant_ref::blockAmax(x, count);
+  const float factor = quant_ref::fp8BlockFactor(a);
+  for (int i = 0; i < count; ++i) q[i] = quant_ref::fp8BlockEncode(quant_ref::toFloat(x[i]), factor);
+  return quant_ref::fp8BlockScale(a);
 }
 
 template <class T>

@@ -88,6 +88,36 @@ TEST(Quant, Fp8BlockHandChecked) {
   EXPECT_EQ(fp8BlockQuantize(z.data(), 128, q.data()), kFloatMinNormal);
 }
 
+// Elements are multiplied by 448 / amax (DeepGEMM / DeepEP), not divided by amax / 448; the
+// two differ next to an E4M3 midpoint. amax 5, x = 0x3AF00001 = 15728641 * 2^-33:
+//   factor = RN(448 / 5) = 11744051 * 2^-17 = 0x42B33333 (448 / 5 * 2^17 = 11744051.2);
+//   x * factor = 15728641 * 11744051 * 2^-50 = 184717962064691 * 2^-50 exactly, which is
+//   8598323 * 2^-50 above the midpoint 0.1640625 = 21 * 2^-7 = 184717953466368 * 2^-50
+//   between 0.15625 (0x22) and 0.171875 (0x23); binary32's ulp there is 2^-26 = 16777216 *
+//   2^-50, so 0.51 ulp above rounds to 0x3E280001, above the midpoint: code 0x23.
+//   The division this replaced: scale = RN(5 / 448) = 11983726 * 2^-30 = 0x3C36DB6E, and
+//   x / scale = 15728641 / (8 * 11983726) = 11010048.4375 * 2^-26, 0.44 ulp above the
+//   midpoint (11010048 * 2^-26), rounds to the midpoint itself, which ties to even: 0x22.
+TEST(Quant, Fp8BlockMultipliesByTheInverseScale) {
+  std::vector<float> x(128, 0.0f);
+  x[0] = 5.0f;
+  x[1] = bitsFloat(0x3AF00001u);
+  x[2] = -bitsFloat(0x3AF00001u);
+  EXPECT_EQ(floatBits(fp8BlockFactor(BlockAmax{5.0f, false})), 0x42B33333u);
+  EXPECT_EQ(floatBits(x[1] * fp8BlockFactor(BlockAmax{5.0f, false})), 0x3E280001u);
+  std::vector<uint8_t> q(128);
+  const float scale = fp8BlockQuantize(x.data(), 128, q.data());
+  EXPECT_EQ(floatBits(scale), 0x3C36DB6Eu);
+  EXPECT_EQ(floatBits(x[1] / scale), 0x3E280000u);  // the old encoder's operand: the midpoint
+  EXPECT_EQ(q[0], 0x7E);                            // 5 * factor = 448 (rounded) -> 448
+  EXPECT_EQ(q[1], 0x23);
+  EXPECT_EQ(q[2], 0xA3);
+  // A poisoned block's codes are all 0x7F, negative and NaN inputs included.
+  x[3] = -std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(fp8BlockQuantize(x.data(), 128, q.data())));
+  for (uint8_t c : q) EXPECT_EQ(c, 0x7F);
+}
+
 // |x - dq| <= half an E4M3 ulp of x/s (2^-4 relative in the normal range, 2^-10 absolute
 // in the subnormal range) times s, plus any saturation past 448 s, plus a few binary32
 // roundings of the scale arithmetic.

@@ -187,6 +187,44 @@ TEST(QuantSimd, EncodeRandomBinary32) {
   }
 }
 
+// Every binary32 magnitude the fast E4M3 rounding can see, through full blocks whose scale is
+// pinned to 1 (a leading 448 for fp8 block-128, 256 for MXFP8, whose values then stay below
+// 512 and take its saturation path above 448), both signs, against floatToE4M3Bits. About a
+// minute: --gtest_also_run_disabled_tests --gtest_filter='*EveryBinary32Magnitude*'.
+TEST(QuantSimd, DISABLED_EncodeEveryBinary32Magnitude) {
+  SKIP_WITHOUT_AVX2();
+  struct Case {
+    PayloadCodec codec;
+    size_t block;
+    float pin;
+    uint32_t end;  // first magnitude pattern not covered
+  };
+  for (const Case& c : {Case{PayloadCodec::kFp8Block128, kFp8BlockSize, 448.0f, 0x43E00001u},
+                        Case{PayloadCodec::kMxfp8, kMxBlockSize, 256.0f, 0x44000000u}}) {
+    const size_t rows = 4096, hidden = c.block * 8, n = rows * hidden;
+    std::vector<float> x(n);
+    std::vector<uint8_t> q(n);
+    std::vector<float> scales(scaleBytes(c.codec, hidden) / 4 + 1);
+    uint32_t next = 0;
+    while (next < c.end) {
+      for (size_t i = 0; i < n; ++i) {
+        if (i % c.block == 0) {
+          x[i] = c.pin;
+        } else {
+          const uint32_t m = next < c.end ? next++ : 0;
+          x[i] = bits(m | ((m & 1u) << 31));  // odd patterns negative
+        }
+      }
+      for (size_t r = 0; r < rows; ++r)
+        encodeRowHost(HostCodecIsa::kAvx2, c.codec, x.data() + r * hidden, hidden, q.data() + r * hidden,
+                      scales.data(), 1.0f);
+      for (size_t i = 0; i < n; ++i)
+        ASSERT_EQ(q[i], floatToE4M3Bits(x[i], Saturate::kFinite))
+            << name(c.codec) << " input bits 0x" << std::hex << floatBits(x[i]);
+    }
+  }
+}
+
 // Decode: dequantizeRow, scalar host and AVX2 host must agree bit for bit, except which NaN
 // a NaN code times a NaN scale gives (see host_codec.h).
 template <class T>
