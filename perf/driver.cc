@@ -278,8 +278,8 @@ void Runner::printHeader(size_t max_bytes) {
   if (cuda && o_.local_register == 2) {
     h += "# Buffers from the CUDA collectives' symmetric heap (-R 2): used in place, no staging copy\n";
   } else if (o_.local_register == 2) {
-    h += "# Buffers from a symmetric heap over the communicator (-R 2): one-node allgather/alltoall read "
-         "inputs in place\n";
+    h += "# Buffers from a symmetric heap over the communicator (-R 2): the one-node symmetric-memory "
+         "algorithms read inputs in place\n";
   } else if (o_.local_register) {
     h += "# Option -R 1 (buffer registration) has no effect here (-R 2: symmetric buffers). Ignoring\n";
   }
