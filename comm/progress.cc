@@ -1,6 +1,7 @@
 #include "comm/progress.h"
 
 #include <poll.h>
+#include <time.h>
 
 #include <algorithm>
 #include <thread>
@@ -9,6 +10,19 @@
 #include "comm/transport.h"
 
 namespace crossbar {
+namespace {
+
+// How long one blocking poll may last: what is left of the deadline, to the nanosecond, at
+// most 100 ms. (poll()'s whole milliseconds made a wait with under 1 ms left poll with
+// timeout 0 until its deadline, spinning on a core other ranks needed.)
+std::chrono::nanoseconds sleepBound(Deadline deadline) {
+  constexpr std::chrono::nanoseconds kMax = std::chrono::milliseconds(100);
+  if (deadline.at() == Clock::time_point::max()) return kMax;
+  const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline.at() - Clock::now());
+  return std::clamp(left, std::chrono::nanoseconds(0), kMax);
+}
+
+}  // namespace
 
 ProgressEngine::ProgressEngine() : spin_us_(static_cast<int>(env::getInt("CROSSBAR_SPIN_US"))) {}
 
@@ -70,11 +84,13 @@ bool ProgressEngine::waitUntil(const std::function<bool()>& done, Deadline deadl
     }
     if (can_sleep) {
       // Bounded sleep: a lost wake-up costs at most this long, never a hang.
-      int timeout_ms = static_cast<int>(std::min<int64_t>(deadline.remaining().count(), 100));
+      const std::chrono::nanoseconds left = sleepBound(deadline);
       if (fds.empty()) {
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(left, std::chrono::microseconds(200)));
       } else {
-        ::poll(fds.data(), fds.size(), timeout_ms);
+        const timespec ts{static_cast<time_t>(left.count() / 1'000'000'000),
+                          static_cast<long>(left.count() % 1'000'000'000)};
+        ::ppoll(fds.data(), fds.size(), &ts, nullptr);
       }
     } else {
       std::this_thread::yield();

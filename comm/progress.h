@@ -1,6 +1,7 @@
 // ProgressEngine: drives every transport of a context. Waits spin for
-// CROSSBAR_SPIN_US, then block in poll() on the transports' fds, so many ranks on
-// few cores stay fast and nothing busy-spins without bound.
+// CROSSBAR_SPIN_US, then block in ppoll() on the transports' fds (timeout: the deadline's
+// remaining time to the nanosecond, at most 100 ms), so many ranks on few cores stay fast
+// and nothing busy-spins without bound, also in waits shorter than a millisecond.
 #pragma once
 
 #include <functional>
