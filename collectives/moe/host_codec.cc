@@ -424,6 +424,42 @@ CROSSBAR_AVX2 float fp8Block(const T* x, int count, uint8_t* q) {
   return fp8BlockScale(a);
 }
 
+// Eight full fp8 block-128 blocks: their amaxes first, then the eight scales and factors
+// with vector divisions (vdivps rounds as the scalar division does; the selects are
+// fp8BlockScale's and fp8BlockFactor's), then the codes. No block waits for its own scalar
+// divisions, and the encode loop runs from a table of factors.
+template <class T>
+CROSSBAR_AVX2 void fp8Blocks8(const T* x, uint8_t* q, float* scales) {
+  alignas(32) uint32_t amax_bits[8];
+  alignas(32) float factors[8];
+  for (int k = 0; k < 8; ++k) amax_bits[k] = absMaxBits(x + k * kFp8BlockSize, kFp8BlockSize);
+  const __m256i bits = _mm256_load_si256(reinterpret_cast<const __m256i*>(amax_bits));
+  const __m256 amax = _mm256_castsi256_ps(bits), e4m3_max = _mm256_set1_ps(kE4M3Max);
+  const __m256 ratio = _mm256_div_ps(amax, e4m3_max);  // amax / 448
+  const __m256 tiny = _mm256_cmp_ps(ratio, _mm256_set1_ps(kFloatMinNormal), _CMP_LT_OQ);
+  const __m256 zero = _mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_EQ_OQ);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  __m256 scale = _mm256_blendv_ps(ratio, _mm256_set1_ps(kFloatMinNormal), tiny);
+  scale = _mm256_blendv_ps(scale, one, zero);
+  const __m256 poisoned = _mm256_castsi256_ps(_mm256_cmpgt_epi32(bits, set1(0x7F7FFFFFu)));
+  scale = _mm256_blendv_ps(scale, _mm256_castsi256_ps(set1(0x7FC00000u)), poisoned);
+  __m256 factor = _mm256_blendv_ps(_mm256_div_ps(e4m3_max, amax), _mm256_set1_ps(0x1p126f), tiny);
+  factor = _mm256_blendv_ps(factor, one, zero);
+  _mm256_storeu_ps(scales, scale);
+  _mm256_store_ps(factors, factor);
+  const int poisoned_mask = _mm256_movemask_ps(poisoned);
+  for (int k = 0; k < 8; ++k) {
+    const T* xb = x + k * kFp8BlockSize;
+    uint8_t* qb = q + k * kFp8BlockSize;
+    if (poisoned_mask >> k & 1) {  // fp8BlockEncode: every code 0x7F
+      std::memset(qb, 0x7F, kFp8BlockSize);
+      continue;
+    }
+    const __m256 vf = _mm256_broadcast_ss(factors + k);
+    for (int i = 0; i < kFp8BlockSize; i += 32) e4m3Chunk32<false>(xb + i, vf, qb + i);
+  }
+}
+
 // One MXFP8 block (count <= 32): codes and E8M0 scale, as mxfp8Quantize.
 template <class T>
 CROSSBAR_AVX2 uint8_t mxfp8Block(const T* x, int count, uint8_t* q) {
@@ -440,6 +476,35 @@ CROSSBAR_AVX2 uint8_t mxfp8Block(const T* x, int count, uint8_t* q) {
   else
     e4m3Block(x, count, factor, q);
   return scale;
+}
+
+// Eight full MXFP8 blocks: amaxes, then the eight E8M0 scales at once (mxfp8Scale of a
+// finite amax is max(biased exponent - 8, 0): subnormals and zero give 0), then the codes.
+template <class T>
+CROSSBAR_AVX2 void mxfp8Blocks8(const T* x, uint8_t* q, uint8_t* scales) {
+  alignas(32) uint32_t amax_bits[8];
+  alignas(32) uint32_t factor_bits[8];
+  for (int k = 0; k < 8; ++k) amax_bits[k] = absMaxBits(x + k * kMxBlockSize, kMxBlockSize);
+  const __m256i bits = _mm256_load_si256(reinterpret_cast<const __m256i*>(amax_bits));
+  const __m256i poisoned = _mm256_cmpgt_epi32(bits, set1(0x7F7FFFFFu));
+  __m256i scale =
+      _mm256_max_epi32(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), set1(8u)), _mm256_setzero_si256());
+  // mxfp8Encode's exact multiply by 2^(127 - scale) (poisoned blocks do not use theirs).
+  _mm256_store_si256(reinterpret_cast<__m256i*>(factor_bits),
+                     _mm256_slli_epi32(_mm256_sub_epi32(set1(254u), scale), 23));
+  scale = _mm256_or_si256(scale, _mm256_and_si256(poisoned, set1(0xFFu)));
+  const uint64_t scale_bytes = narrow8(scale);
+  std::memcpy(scales, &scale_bytes, 8);
+  const int poisoned_mask = _mm256_movemask_ps(_mm256_castsi256_ps(poisoned));
+  for (int k = 0; k < 8; ++k) {
+    if (poisoned_mask >> k & 1) {  // every code NaN
+      std::memset(q + k * kMxBlockSize, 0x7F, kMxBlockSize);
+      continue;
+    }
+    e4m3Chunk32<true>(x + k * kMxBlockSize,
+                      _mm256_broadcast_ss(reinterpret_cast<const float*>(factor_bits + k)),
+                      q + k * kMxBlockSize);
+  }
 }
 
 // floatToE2M1Bits of eight values (32-bit lanes, 0..15): |v| >= 1 rounds with
@@ -493,13 +558,19 @@ CROSSBAR_AVX2 void encodeRow(PayloadCodec codec, const T* x, size_t hidden, uint
   switch (codec) {
     case PayloadCodec::kFp8Block128: {
       auto* s = static_cast<float*>(scales);
-      for (size_t b = 0, i = 0; i < hidden; ++b, i += kFp8BlockSize)
+      size_t b = 0, i = 0;
+      for (; i + 8 * kFp8BlockSize <= hidden; b += 8, i += 8 * kFp8BlockSize)
+        fp8Blocks8(x + i, payload + i, s + b);
+      for (; i < hidden; ++b, i += kFp8BlockSize)
         s[b] = fp8Block(x + i, blockCount(hidden, i, kFp8BlockSize), payload + i);
       return;
     }
     case PayloadCodec::kMxfp8: {
       auto* s = static_cast<uint8_t*>(scales);
-      for (size_t b = 0, i = 0; i < hidden; ++b, i += kMxBlockSize)
+      size_t b = 0, i = 0;
+      for (; i + 8 * kMxBlockSize <= hidden; b += 8, i += 8 * kMxBlockSize)
+        mxfp8Blocks8(x + i, payload + i, s + b);
+      for (; i < hidden; ++b, i += kMxBlockSize)
         s[b] = mxfp8Block(x + i, blockCount(hidden, i, kMxBlockSize), payload + i);
       return;
     }

@@ -187,6 +187,75 @@ TEST(QuantSimd, EncodeRandomBinary32) {
   }
 }
 
+// Blocks of every kind in every position of the eight-block groups the AVX2 encoder handles
+// at once (their scales and factors computed together): all zero, negative zeros, binary32
+// subnormals only (clamped fp8 scale; MXFP8 scale 0), an amax on either side of where
+// amax / 448 drops below FLT_MIN, NaN, Inf, tiny and huge normals, ordinary values.
+TEST(QuantSimd, EncodeBlockGroupsWithSpecialBlocks) {
+  SKIP_WITHOUT_AVX2();
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const float clamp_edge = 448.0f * 1.17549435e-38f;  // amax / 448 == FLT_MIN
+  std::mt19937 rng(77);
+  auto block = [&](int kind, size_t n) {
+    std::vector<float> b(n);
+    for (size_t i = 0; i < n; ++i) {
+      const float u = std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng);
+      switch (kind) {
+        case 0:
+          b[i] = 0.0f;
+          break;
+        case 1:
+          b[i] = -0.0f;
+          break;
+        case 2:
+          b[i] = u * bits(0x007FFFFF);
+          break;  // subnormals
+        case 3:
+          b[i] = u * std::nextafter(clamp_edge, 0.0f);
+          break;
+        case 4:
+          b[i] = u * std::nextafter(clamp_edge, inf);
+          break;
+        case 5:
+          b[i] = i == n / 2 ? nan : u;
+          break;
+        case 6:
+          b[i] = i == n - 1 ? -inf : u;
+          break;
+        case 7:
+          b[i] = u * 1e-30f;
+          break;
+        case 8:
+          b[i] = u * 3e38f;
+          break;
+        default:
+          b[i] = std::ldexp(u, static_cast<int>(rng() % 20) - 10);
+          break;
+      }
+    }
+    if (kind == 3 || kind == 4)
+      b[1] = kind == 3 ? std::nextafter(clamp_edge, 0.0f) : std::nextafter(clamp_edge, inf);
+    return b;
+  };
+  for (PayloadCodec c : {PayloadCodec::kFp8Block128, PayloadCodec::kMxfp8}) {
+    const size_t bs = static_cast<size_t>(blockSize(c));
+    for (size_t hidden : {8 * bs, 16 * bs + 5, 24 * bs + bs / 2}) {
+      std::vector<float> x;
+      for (int shift = 0; shift < 10; ++shift)  // each kind in each block position
+        for (size_t i = 0; i < hidden;) {
+          const std::vector<float> b =
+              block(static_cast<int>((i / bs + shift) % 10), std::min(bs, hidden - i));
+          x.insert(x.end(), b.begin(), b.end());
+          i += b.size();
+        }
+      expectEncodeIdentical(c, x, hidden);
+      std::vector<BFloat16> h(x.size());
+      for (size_t i = 0; i < x.size(); ++i) h[i] = BFloat16::fromFloat(x[i]);
+      expectEncodeIdentical(c, h, hidden);
+    }
+  }
+}
+
 // Every binary32 magnitude the fast E4M3 rounding can see, through full blocks whose scale is
 // pinned to 1 (a leading 448 for fp8 block-128, 256 for MXFP8, whose values then stay below
 // 512 and take its saturation path above 448), both signs, against floatToE4M3Bits. About a
