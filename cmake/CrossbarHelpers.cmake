@@ -23,6 +23,10 @@ function(crossbar_layer)
     $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/crossbar>)
   target_link_libraries(crossbar_${L_NAME} PUBLIC ${L_DEPS} PRIVATE ${L_PRIVATE_DEPS})
   crossbar_target_defaults(crossbar_${L_NAME})
+  # Calls inside a layer's library go straight to the function (and may be inlined)
+  # instead of through the PLT: nobody interposes crossbar's own symbols, and the small
+  # collectives' issue path crosses a dozen such calls.
+  target_compile_options(crossbar_${L_NAME} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fno-semantic-interposition>)
   set_property(GLOBAL APPEND PROPERTY CROSSBAR_LAYERS crossbar_${L_NAME})
   # Headers install where sources include them from: "symmem/cuda/vmm.h" ->
   # include/crossbar/symmem/cuda/vmm.h.

@@ -345,8 +345,8 @@ struct Queue {
   // Progress by the calling thread (called with `lk` held; right after queueing `mine`,
   // or from test()): while nothing else executes, runs eager heads with
   // EagerChannel::tryRun (never a sleep), up to and including `mine`. With `spin_mine`,
-  // `mine`'s first try spins for its peers (CROSSBAR_SPIN_US when ranks <= cores);
-  // other tries are a quick look. A small call whose peers are there finishes inside the call that
+  // each try spins for its peers (at most kIssueSpin, and only when ranks <= cores),
+  // and the first one not finished ends the round; without, each try is a quick look. A small call whose peers are there finishes inside the call that
   // issued it: no hand-off to the worker, no wake-up. The first head that is not eager
   // or not finished stays the head, for the worker or a waiting thread (which finish a
   // published one with run()).
@@ -360,7 +360,11 @@ struct Queue {
       lk.unlock();
       std::exception_ptr err;
       bool finished = true;
-      const bool spin = spin_mine && w.get() == mine && !w->eager_published;
+      // The issuing thread spins (bounded) on the first head not finished yet, mine or
+      // an earlier one whose peers are late: returning at once would leave this call
+      // queued unpublished behind it, and the ranks would stay out of step (every
+      // later call queued on this rank, its slot published only when its turn comes).
+      const bool spin = spin_mine;
       try {
         finished = shared->eager->tryRun(w->op.args, w->op.seq, &w->eager_published, spin);
       } catch (...) {
@@ -678,29 +682,40 @@ struct Collectives::Impl {
   std::shared_ptr<CudaRoute> cuda_route;  // device memory: collectives/cuda/route.h
   const Algorithm* eager_pick[kNumCollTypes] = {};  // plan(): the table's eager pick per collective
   // Validates, selects and numbers `a` into `out` (moved in once: no copies per call).
-  void plan(CollArgs&& a, const CollOptions& o, Planned& out);
+  // `cached_eager`: the caller validated `a` and found cachedEager() true.
+  void plan(CollArgs&& a, const CollOptions& o, Planned& out, bool cached_eager = false);
+  // Whether the table already sent this collective to eager and `a` fits it (plan()
+  // then picks eager without a table scan).
+  bool cachedEager(const CollArgs& a, const CollOptions& o) const;
   WorkPtr submit(CollArgs&& a, const CollOptions& o);
   WorkPtr runAlone(std::shared_ptr<WorkImpl> w, Millis timeout, std::unique_lock<std::mutex>& issue);
   Millis timeoutOf(const CollOptions& o) const { return o.timeout.count() > 0 ? o.timeout : comm->timeout(); }
 };
 
-void Collectives::Impl::plan(CollArgs&& a, const CollOptions& o, Planned& pl) {
-  validate(a, *comm);
+// The eager rows lead the table for their collectives and eager applies by size and
+// topology alone, so once the table picked eager for a collective, any call of it that
+// fits takes eager too (without CollOptions.algorithm or CROSSBAR_ALGO for it, and
+// without INFO logging, which wants the table's reason): no table scan.
+static bool eagerCacheable(const CollOptions& o, const AlgoOverride& env_override, int c) {
+  return o.algorithm.empty() && env_override.per_coll[c].empty() && !log::enabled(log::Level::kInfo);
+}
+
+bool Collectives::Impl::cachedEager(const CollArgs& a, const CollOptions& o) const {
+  const int c = static_cast<int>(a.coll);
+  return eager_pick[c] && eagerCacheable(o, env_override, c) && eagerFits(a, *comm);
+}
+
+void Collectives::Impl::plan(CollArgs&& a, const CollOptions& o, Planned& pl, bool cached_eager) {
+  if (!cached_eager) validate(a, *comm);
   Selection s;
   const int c = static_cast<int>(a.coll);
-  // The eager rows lead the table for their collectives and eager applies by size and
-  // topology alone, so once the table picked eager for a collective, any call of it
-  // that fits takes eager too (without CollOptions.algorithm or CROSSBAR_ALGO for it,
-  // and without INFO logging, which wants the table's reason): no table scan.
-  const bool cacheable = o.algorithm.empty() && env_override.per_coll[c].empty() &&
-                         !log::enabled(log::Level::kInfo);
-  bool eager = cacheable && eager_pick[c] && eagerFits(a, *comm);
+  bool eager = cached_eager || cachedEager(a, o);
   if (eager) {
     s.algorithm = eager_pick[c];
   } else {
     s = selectAlgorithm(a, *comm, o.algorithm, env_override);
     eager = isEagerAlgorithm(s.algorithm);
-    if (cacheable && eager) eager_pick[c] = s.algorithm;
+    if (eagerCacheable(o, env_override, c) && eager) eager_pick[c] = s.algorithm;
   }
   if (s.algorithm->needs_hier && !hier) {
     // Collective (split); every rank selects the same algorithm for the same call.
@@ -731,15 +746,26 @@ WorkPtr Collectives::Impl::submit(CollArgs&& a, const CollOptions& o) {
     group.push_back(std::move(pl));
     return group_work;
   }
-  auto w = std::make_shared<WorkImpl>(q);
-  plan(std::move(a), o, w->op);
-  w->hier = hier.get();
   const bool recording = telemetry::Recorder::instance().enabled();
-  if (recording) w->issued_ns = telemetry::nowNs();
   // Eager calls are tried right here (telemetry records operations from execute()).
+  // One that will run alone (nothing queued) and whose collective the table already
+  // sent to eager is published first, before the Work is even allocated: the slot's
+  // line travels to the peers while the rest is set up, instead of after it.
+  const bool alone = !recording && q->pending.load(std::memory_order_acquire) == 0 &&
+                     !q->failed.load(std::memory_order_acquire);
+  bool published = false;
+  const bool cached_eager = alone && cachedEager(a, o);
+  if (cached_eager) {
+    validate(a, *comm);
+    published = eager->tryPublish(a, seq);  // seq: the number plan() gives it next
+  }
+  auto w = std::make_shared<WorkImpl>(q);
+  plan(std::move(a), o, w->op, cached_eager);
+  w->eager_published = published;
+  w->hier = hier.get();
+  if (recording) w->issued_ns = telemetry::nowNs();
   const bool try_now = !recording && w->op.eager;
-  if (try_now && q->pending.load(std::memory_order_acquire) == 0 && !q->failed.load(std::memory_order_acquire))
-    return runAlone(std::move(w), timeoutOf(o), issue);
+  if (try_now && alone) return runAlone(std::move(w), timeoutOf(o), issue);
   std::unique_lock<std::mutex> lk(q->m);
   q->push(w, timeoutOf(o), !try_now);
   issue.unlock();  // queued: later calls go behind it

@@ -14,13 +14,13 @@
 #include "comm/context.h"
 #include "comm/env.h"
 #include "comm/errors.h"
+#include "comm/fence.h"
 #include "comm/log.h"
 #include "telemetry/telemetry.h"
 
 namespace crossbar {
 
 namespace {
-constexpr size_t kLine = 64;
 constexpr size_t kMaxEagerBytes = size_t{1} << 20;  // slots are kEagerSlots x this per rank at most
 constexpr Millis kYieldPhase{2};
 // How long tryRun() spins for peers that have not published yet. Peers running in step
@@ -106,13 +106,14 @@ void registerEagerAlgorithms(std::deque<Algorithm>& out) {
 EagerChannel::EagerChannel(std::shared_ptr<Communicator> comm, std::shared_ptr<CallChecker> checker)
     : comm_(std::move(comm)), checker_(std::move(checker)), rank_(comm_->rank()), size_(comm_->size()) {
   cap_ = roundUp(std::max<size_t>(eagerMaxBytes(), 1), kLine);
-  static_assert(sizeof(Header) == 40, "the payload starts 8-byte aligned inside the header's line");
-  slot_bytes_ = roundUp(sizeof(Header) + cap_, kLine);  // every header starts a line
+  static_assert(sizeof(Header) == kHeaderBytes, "the payload starts 8-byte aligned inside the header's line");
+  slot_bytes_ = roundUp(kHeaderBytes + cap_, kLine);  // every header starts a line
   known_done_.assign(size_, 0);
   const unsigned cores = std::thread::hardware_concurrency();
   if (cores == 0 || static_cast<unsigned>(comm_->localSize()) <= cores)
     spin_ = std::chrono::microseconds(std::max<int64_t>(env::getInt("CROSSBAR_SPIN_US"), 0));
   srcs_.resize(size_);
+  bases_.assign(size_, nullptr);
 }
 
 EagerChannel::~EagerChannel() = default;
@@ -124,23 +125,13 @@ void EagerChannel::create() {
   o.name = "eager";
   o.remote_access = false;
   heap_ = symm::SymmetricHeap::create(comm_, o);
-  buf_ = heap_.allocate(kLine + kEagerSlots * slot_bytes_);
+  auto buf = heap_.allocate(kLine + kEagerSlots * slot_bytes_);
+  for (int q = 0; q < size_; ++q) bases_[q] = static_cast<char*>(buf->peerPtr(q));
+  buf_ = std::move(buf);
   CB_INFO("coll", "{}: eager slots of {} bytes x {} per rank (CROSSBAR_EAGER_BYTES={})", comm_->name(), cap_,
           kEagerSlots, eagerMaxBytes());
 }
 
-EagerChannel::Header* EagerChannel::header(int rank, uint64_t seq) const {
-  return reinterpret_cast<Header*>(static_cast<char*>(buf_->peerPtr(rank)) + kLine +
-                                   (seq % kEagerSlots) * slot_bytes_);
-}
-
-char* EagerChannel::payload(int rank, uint64_t seq) const {
-  return reinterpret_cast<char*>(header(rank, seq)) + sizeof(Header);
-}
-
-uint64_t* EagerChannel::doneWord(int rank) const {
-  return static_cast<uint64_t*>(buf_->peerPtr(rank));
-}
 
 bool EagerChannel::peek(int peer, uint64_t seq, CallSignature* out) const {
   if (!buf_ || peer < 0 || peer >= size_ || peer == rank_) return false;
@@ -205,10 +196,14 @@ bool EagerChannel::peersPublished(uint64_t seq, Clock::duration spin) const {
     auto ready = [&] { return h->seq1.load(std::memory_order_acquire) == want; };
     if (ready()) continue;
     if (spin <= Clock::duration::zero()) return false;  // a quick look (a pause is ~30 ns here)
-    if (until == Clock::time_point{}) until = Clock::now() + spin;
     while (!ready()) {
       for (int k = 0; k < 32 && !ready(); ++k) __builtin_ia32_pause();
-      if (!ready() && Clock::now() >= until) return false;
+      if (ready()) break;
+      // The clock only once a peer is late by a round of pauses (~1 us): reading it
+      // costs about as much as the line transfer the common case waits for.
+      const Clock::time_point now = Clock::now();
+      if (until == Clock::time_point{}) until = now + spin;
+      if (now >= until) return false;
     }
   }
   return true;
@@ -260,6 +255,7 @@ bool EagerChannel::awaitPeer(int peer, uint64_t seq, Deadline deadline, CallSign
       Header* h;
       ~Unflag() { h->sleepers.fetch_sub(1, std::memory_order_seq_cst); }
     } unflag{h};
+    fence::heavy();  // the writer's publish() only has fence::light()
     if (ready()) return true;
     try {
       buf_->waitSignalValue(peer, kWakeChannel, before + 1, deadline.min(Deadline::after(kSleepSlice)));
@@ -325,6 +321,13 @@ bool EagerChannel::tryRun(const CollArgs& a, uint64_t seq, bool* published, bool
   return true;
 }
 
+bool EagerChannel::tryPublish(const CollArgs& a, uint64_t seq) {
+  if (size_ == 1 || !buf_ || (checker_ && checker_->mode() == CallCheckMode::kFull) || !slotFree(seq))
+    return false;
+  publish(a, seq);
+  return true;
+}
+
 void EagerChannel::publish(const CollArgs& a, uint64_t seq) {
   const int p = size_, r = rank_;
   const size_t blk = a.count * elementSize(a.type);
@@ -352,7 +355,7 @@ void EagerChannel::publish(const CollArgs& a, uint64_t seq) {
   own->root = mine.root;
   own->count = mine.count;
   own->seq1.store(seq + 1, std::memory_order_release);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  fence::light();  // pairs with awaitPeer's heavy() before it sleeps
   if (own->sleepers.load(std::memory_order_relaxed) != 0)
     for (int q = 0; q < p; ++q)
       if (q != r) buf_->putSignal(q, kWakeChannel);

@@ -59,6 +59,9 @@ bool eagerFits(const CollArgs& a, const Communicator& comm);
 bool isEagerAlgorithm(const Algorithm* a);
 
 class EagerChannel {
+  static constexpr size_t kLine = 64;         // a slot's header starts a cache line
+  static constexpr size_t kHeaderBytes = 40;  // sizeof(Header); the payload follows in its line
+
  public:
   // `checker` (may be null) is the queue's call check: its local slots are created
   // first, its progress word advanced, and its slots probed while waiting.
@@ -81,6 +84,12 @@ class EagerChannel {
   // call, like run().
   bool tryRun(const CollArgs& a, uint64_t seq, bool* published, bool spin);
 
+  // Publishes this rank's slot of `seq` now, if that needs no wait (slots created, the
+  // slot free, no full call check): the issuing thread calls it before anything else
+  // of a small call, so the line travels to the peers while the rest is set up. true:
+  // published (finish with tryRun / run with published = true).
+  bool tryPublish(const CollArgs& a, uint64_t seq);
+
   // Collective: creates the slots (idempotent). Called by the call check right after
   // its own slots, or by run() when there is no such check.
   void create();
@@ -89,9 +98,13 @@ class EagerChannel {
 
  private:
   struct Header;
-  Header* header(int rank, uint64_t seq) const;
-  char* payload(int rank, uint64_t seq) const;
-  uint64_t* doneWord(int rank) const;
+  // Rank `rank`'s control line (its done word), then its slots: inline, from pointers
+  // cached at create() (every small call reaches them several times).
+  Header* header(int rank, uint64_t seq) const {
+    return reinterpret_cast<Header*>(bases_[rank] + kLine + (seq % kEagerSlots) * slot_bytes_);
+  }
+  char* payload(int rank, uint64_t seq) const { return reinterpret_cast<char*>(header(rank, seq)) + kHeaderBytes; }
+  uint64_t* doneWord(int rank) const { return reinterpret_cast<uint64_t*>(bases_[rank]); }
   void waitSlotFree(uint64_t seq, Deadline deadline);
   bool slotFree(uint64_t seq);  // waitSlotFree() without waiting
   // Payload, signature, then seq + 1 (release) in the own header; wakes sleeping readers.
@@ -115,6 +128,7 @@ class EagerChannel {
   std::vector<uint64_t> known_done_;  // by peer: the last done value read
   Clock::duration spin_{};
   std::vector<const void*> srcs_;
+  std::vector<char*> bases_;  // by rank: the eager buffer's mapping (set by create())
 };
 
 }  // namespace crossbar

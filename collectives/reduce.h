@@ -285,6 +285,8 @@ namespace reducedetail {
 // Elements per chunk: the accumulator chunk stays in L1 and every loop below is a
 // plain restrict-qualified loop that -O2/-O3 auto-vectorizes for f32/f64/integers.
 inline constexpr size_t kChunk = 1024;
+// Up to this many elements reduceChunked() goes element by element.
+inline constexpr size_t kSmall = 16;
 
 template <class T, ReduceOp Op>
 void loadChunk(AccumT<T>* __restrict acc, const T* __restrict src, size_t m, AccumT<T> scalar, bool pre) {
@@ -327,6 +329,18 @@ inline void reduceOneChunk(T* dst, const T* const* srcs, size_t nsrc, size_t off
 template <class T, ReduceOp Op>
 void reduceChunked(T* dst, const T* const* srcs, size_t nsrc, size_t n, AccumT<T> scalar, bool preFirst,
                    uint64_t count) {
+  using R = Reducer<T, Op>;
+  if (n <= kSmall) {
+    // A few elements (small collectives' latency): element by element, the same
+    // operations in the same order as the chunk loops, without their setup.
+    for (size_t i = 0; i < n; ++i) {
+      AccumT<T> a = loadAcc(srcs[0][i]);
+      if (preFirst) a = R::pre(a, scalar);
+      for (size_t k = 1; k < nsrc; ++k) a = R::combine(a, R::pre(loadAcc(srcs[k][i]), scalar));
+      dst[i] = storeAcc<T>(count != 0 ? R::post(a, count) : a);
+    }
+    return;
+  }
   alignas(64) AccumT<T> acc[kChunk];
   size_t full = n - n % kChunk;
   for (size_t off = 0; off < full; off += kChunk)

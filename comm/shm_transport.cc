@@ -42,6 +42,7 @@
 #include "comm/env.h"
 #include "comm/errors.h"
 #include "comm/fd_exchange.h"
+#include "comm/fence.h"
 #include "comm/log.h"
 #include "comm/progress.h"
 #include "comm/shm_segment.h"
@@ -649,8 +650,8 @@ void ShmTransport::sendControl(Peer& p, uint32_t type, uint64_t id, uint64_t siz
 }
 
 void ShmTransport::wake(Peer& p) {
-  // Pairs with prepareSleep(): publish, full fence, then look at the flag.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  // Pairs with prepareSleep(): publish, fence (fence.h), then look at the flag.
+  fence::light();
   auto& flag = p.hdr->sleeping;
   if (flag.load(std::memory_order_relaxed) && flag.exchange(0, std::memory_order_acq_rel)) {
     uint64_t one = 1;
@@ -937,7 +938,7 @@ bool ShmTransport::prepareSleep() {
   if (aborted_ || peers_.empty()) return true;
   if (!cma_.empty()) return false;
   my_hdr_->sleeping.store(1, std::memory_order_seq_cst);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  fence::heavy();  // wake() only has fence::light()
   for (Peer& p : peers_) {
     if (hasWork(p)) {
       my_hdr_->sleeping.store(0, std::memory_order_relaxed);

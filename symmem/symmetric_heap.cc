@@ -18,6 +18,7 @@
 #include "comm/context.h"
 #include "comm/env.h"
 #include "comm/errors.h"
+#include "comm/fence.h"
 #include "comm/fd_exchange.h"
 #include "comm/log.h"
 #include "comm/store.h"
@@ -625,10 +626,11 @@ void SymmetricBuffer::signalTo(int peer, size_t slot_index, const char* op) {
   const size_t their_slot = slot_index - static_cast<size_t>(peer) + static_cast<size_t>(rank_);
   if (char* p = ptrs_[peer]) {
     PadSlot* s = padOf(p, pad_offset_) + their_slot;
-    // seq_cst store, then the waiter flag: pairs with the waiter's flag-then-recheck,
+    // Store, then the waiter flag: pairs with the waiter's flag-then-recheck (fence.h),
     // so a sleeping waiter is always woken and an awake one costs no syscall.
-    s->value.store(value, std::memory_order_seq_cst);
-    if (s->waiters.load(std::memory_order_seq_cst) != 0) futexWake(s);
+    s->value.store(value, std::memory_order_release);
+    fence::light();
+    if (s->waiters.load(std::memory_order_relaxed) != 0) futexWake(s);
     return;
   }
   RemoteRegion& r = *remote_[peer];
@@ -732,6 +734,7 @@ void SymmetricBuffer::waitSlot(int peer, size_t slot_index, uint64_t value, int 
     if (local) {
       // Flag, re-check, sleep (Dekker with signalTo's store-then-load).
       s->waiters.fetch_add(1, std::memory_order_seq_cst);
+      fence::heavy();  // signalTo() only has fence::light()
       const uint64_t seen = s->value.load(std::memory_order_seq_cst);
       if (seen < value) {
         Millis slice = std::min(deadline.remaining(), u ? Millis(1) : kSleepSlice);
