@@ -324,6 +324,7 @@ class CrossbarBackend : public c10d::Backend {
   std::atomic<size_t> p2p_active_{0};  // point-to-point works the p2p thread holds
   mutable std::mutex shrink_mu_;
   ShrinkHandler shrink_handler_;
+  uint64_t monitored_barrier_calls_ = 0;  // on this group so far (see monitored_barrier.cc)
 };
 
 }  // namespace crossbar::torch_backend

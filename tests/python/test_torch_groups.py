@@ -97,7 +97,8 @@ def _monitored(rank, world):
     # Everybody arrives: passes on every rank, on the default group and a subgroup.
     dist.monitored_barrier()
     dist.monitored_barrier(timeout=short, wait_all_ranks=True)
-    # Each failing case on its own group, so what a missing rank left posted stays there.
+    # Each failing case on its own group: a rank that never calls a group's monitored_barrier
+    # is behind on its calls there (reported as InvalidUsage by the next one).
     fail_fast = dist.new_group(list(range(world)))
     fail_all = dist.new_group(list(range(world)))
     # Rank 1 does not arrive: rank 0 names it (it is first in rank order, however slow
@@ -126,6 +127,47 @@ def _monitored(rank, world):
 
 def test_monitored_barrier_names_missing_ranks():
     run_ranks(_monitored, 4, device_id=torch.device("cpu", 0))
+
+
+def _monitored_late(rank, world):
+    import crossbar
+
+    store = dist.distributed_c10d._get_default_store()
+    long = datetime.timedelta(seconds=60)
+    # Rank 1 is late: it arrives only after rank 0 gave up (the store says when), so the
+    # outcome does not depend on timing.
+    if rank == 1:
+        store.wait(["rank0-gave-up"])
+        with pytest.raises(crossbar.TimeoutError) as e:
+            dist.monitored_barrier(timeout=long)
+        # Told at once by rank 0's reply waiting for it (not after its own 60 s).
+        assert "arrived at monitored_barrier call #0 after rank 0 ended it" in str(e.value), str(e.value)
+        assert e.value.peers == [0]
+    elif rank == 0:
+        with pytest.raises(crossbar.TimeoutError) as e:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=2))
+        assert "Rank 1 failed to pass monitoredBarrier" in str(e.value), str(e.value)
+        assert e.value.peers == [1]
+        store.set("rank0-gave-up", "1")
+    else:  # on time: rank 0's "failed" reply ends its wait, naming the late rank
+        with pytest.raises(crossbar.TimeoutError) as e:
+            dist.monitored_barrier(timeout=long)
+        assert "rank 0" in str(e.value) and "did not acknowledge" in str(e.value), str(e.value)
+        assert "found rank 1 (host" in str(e.value), str(e.value)
+        assert e.value.peers == [1]
+    # The same group: the late rank's stale report is dropped, the next barriers pass, and
+    # collectives work.
+    dist.monitored_barrier(timeout=long)
+    dist.monitored_barrier(timeout=long, wait_all_ranks=True)
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), float(world * (world + 1) // 2)))
+    dist.monitored_barrier(timeout=long)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_monitored_barrier_after_a_late_rank_same_group_works(world):
+    run_ranks(_monitored_late, world)
 
 
 def _lifecycle(rank, world):
