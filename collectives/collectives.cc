@@ -749,17 +749,16 @@ WorkPtr Collectives::Impl::submit(CollArgs&& a, const CollOptions& o) {
   const bool recording = telemetry::Recorder::instance().enabled();
   // Eager calls are tried right here (telemetry records operations from execute()).
   // One that will run alone (nothing queued) and whose collective the table already
-  // sent to eager is published first, before the Work is even allocated: the slot's
-  // line travels to the peers while the rest is set up, instead of after it.
+  // sent to eager is published before it is planned: the slot's line travels to the
+  // peers while the rest is set up, instead of after it. The Work is allocated first:
+  // its reference counts are locked instructions, and a locked instruction after the
+  // publish would wait until this core owns the slot's line (the peer read it last).
   const bool alone = !recording && q->pending.load(std::memory_order_acquire) == 0 &&
                      !q->failed.load(std::memory_order_acquire);
-  bool published = false;
   const bool cached_eager = alone && cachedEager(a, o);
-  if (cached_eager) {
-    validate(a, *comm);
-    published = eager->tryPublish(a, seq);  // seq: the number plan() gives it next
-  }
+  if (cached_eager) validate(a, *comm);
   auto w = std::make_shared<WorkImpl>(q);
+  const bool published = cached_eager && eager->tryPublish(a, seq);  // seq: the number plan() gives it
   plan(std::move(a), o, w->op, cached_eager);
   w->eager_published = published;
   w->hier = hier.get();
