@@ -57,7 +57,7 @@ SymmStaging::SymmStaging(std::shared_ptr<Communicator> comm, size_t bytes, size_
   o.remote_access = false;  // intra-node only: what crosses nodes goes over point-to-point
   heap_ = symm::SymmetricHeap::create(comm_, o);
   const size_t meta_bytes =
-      roundUp(sizeof(MetaHeader) + sizeof(MetaEntry) * size_ + sizeof(DirectEntry) * 2 * size_, 4096);
+      roundUp(sizeof(MetaHeader) + sizeof(MetaEntry) * size_ + sizeof(DirectEntry) * 4 * size_, 4096);
   buf_ = heap_.allocate(2 * half_ + meta_bytes);
   owed_.resize(size_);
   seen_.assign(static_cast<size_t>(kChannels) * size_, 0);
@@ -162,12 +162,15 @@ SymmStaging::Direct SymmStaging::directSource(const void* p, size_t bytes, size_
   return {std::move(found.buffer), found.offset};
 }
 
-ZeroCopy::ZeroCopy(SymmStaging& s, const void* in, size_t bytes, size_t align, bool allowed)
-    : s_(s), d_(allowed ? s.directSource(in, bytes, align) : SymmStaging::Direct{}), from_(s.size(), nullptr) {}
+ZeroCopy::ZeroCopy(SymmStaging& s, const void* in, size_t bytes, size_t align, bool allowed, int which)
+    : s_(s),
+      d_(allowed ? s.directSource(in, bytes, align) : SymmStaging::Direct{}),
+      which_(which),
+      from_(s.size(), nullptr) {}
 
 void ZeroCopy::announce(int h, int reader, size_t offset, size_t bytes) {
   s_.announce(h, reader, direct() ? SymmStaging::Direct{d_.buffer, d_.offset + offset} : SymmStaging::Direct{},
-              bytes);
+              bytes, which_);
 }
 
 void ZeroCopy::announceAll(int h, size_t offset, size_t bytes) {
@@ -176,11 +179,11 @@ void ZeroCopy::announceAll(int h, size_t offset, size_t bytes) {
 }
 
 const char* ZeroCopy::learn(int owner, int h, size_t bytes, const char* op) {
-  return from_[owner] = s_.announced(owner, h, bytes, op);
+  return from_[owner] = s_.announced(owner, h, bytes, op, which_);
 }
 
-void SymmStaging::announce(int h, int reader, const Direct& d, size_t bytes) {
-  DirectEntry* e = directEntry(rank_, h, reader);
+void SymmStaging::announce(int h, int reader, const Direct& d, size_t bytes, int which) {
+  DirectEntry* e = directEntry(rank_, h, reader, which);
   if (!d.buffer) {
     e->direct = 0;
     return;
@@ -188,8 +191,8 @@ void SymmStaging::announce(int h, int reader, const Direct& d, size_t bytes) {
   *e = DirectEntry{1, d.buffer->heapId(), d.buffer->id(), d.offset, bytes};
 }
 
-const char* SymmStaging::announced(int owner, int h, size_t bytes, const char* op) {
-  const DirectEntry e = *directEntry(owner, h, rank_);
+const char* SymmStaging::announced(int owner, int h, size_t bytes, const char* op, int which) {
+  const DirectEntry e = *directEntry(owner, h, rank_, which);
   if (!e.direct) return nullptr;
   auto b = symm::findBuffer(e.heap_id, e.buffer_id);
   if (!b || !b->createdOver(*comm_))
@@ -401,10 +404,13 @@ void allreduceOneShot(const CollArgs& a, RunContext& x) {
 // Two-shot: stage the chunk; rank r reduces block r of it from every rank's half into
 // its output and stages the result, then every rank copies the peers' reduced blocks
 // out. Each element is read about twice per rank instead of p times.
-// Zero copy: peers read block q of a symmetric input in place (chunk k after its
-// READY), in place too: rank r writes its output block q only after q's REDUCED for
-// that chunk, which q sends after reading r's block q; its own block r no peer reads.
-// For the same reason r needs no FREE before it returns.
+// Zero copy of the input: peers read block q of a symmetric input in place (chunk k
+// after its READY), in place too: rank r writes its output block q only after q's
+// REDUCED for that chunk, which q sends after reading r's block q; its own block r no
+// peer reads. For the same reason the input needs no FREE before r returns.
+// Zero copy of the output: a symmetric output's reduced block r is not staged either;
+// peers copy it from r's output after REDUCED (r writes no other byte of block r), and r
+// waits for their FREEs before it returns (the caller may then overwrite the output).
 void twoShot(const CollArgs& a, RunContext& x, bool nt) {
   SymmStaging& s = staging(*x.comm, x);
   const int p = s.size(), r = s.rank();
@@ -413,13 +419,17 @@ void twoShot(const CollArgs& a, RunContext& x, bool nt) {
   const size_t K = ceilDiv(n, C);
   const ReduceParams prm = paramsOf(a);
   ZeroCopy z(s, a.send, n * es, es, true);
+  ZeroCopy zout(s, a.recv, n * es, es, true, 1);
   std::vector<const void*> srcs(p);
   for (size_t k = 0; k < K; ++k) {
     const int h = s.halfOf(k);
     const size_t lo = k * C, m = std::min(C, n - lo);
     const Split sp = splitOf(m, p, es);
     s.acquire(h, x.deadline);
-    if (k == 0) z.announceAll(h, 0, n * es);
+    if (k == 0) {
+      z.announceAll(h, 0, n * es);
+      zout.announceAll(h, 0, n * es);
+    }
     // Stage the blocks the peers reduce; this rank's own block is reduced from the user
     // buffer, and its slot receives the reduced result below.
     const char* in = ccp(a.send) + lo * es;
@@ -436,21 +446,27 @@ void twoShot(const CollArgs& a, RunContext& x, bool nt) {
     const size_t bo = sp.off(r) * es;
     char* own = cp(a.recv) + lo * es + bo;
     for (int q = 0; q < p; ++q) {
-      if (k == 0 && q != r) z.learn(q, h, n * es, "allreduce");
+      if (k == 0 && q != r) {
+        z.learn(q, h, n * es, "allreduce");
+        zout.learn(q, h, n * es, "allreduce");
+      }
       srcs[q] = q == r ? in + bo : z.from(q) ? z.from(q) + lo * es + bo : s.slot(q, h) + bo;
     }
     if (sp.len(r)) {
       reduce(own, srcs.data(), p, sp.len(r), a.type, a.op, prm);
-      s.stageCopy(s.mine(h) + bo, own, sp.len(r) * es);
+      if (!zout.direct()) s.stageCopy(s.mine(h) + bo, own, sp.len(r) * es);
     }
     s.notifyAll(SymmStaging::kReduced);
     for (int i = 1; i < p; ++i) {
       const int q = (r + i) % p;
       s.wait(q, SymmStaging::kReduced, x.deadline);
-      copyOut(cp(a.recv) + (lo + sp.off(q)) * es, s.slot(q, h) + sp.off(q) * es, sp.len(q) * es, nt);
+      const size_t qo = sp.off(q) * es;
+      copyOut(cp(a.recv) + lo * es + qo, zout.from(q) ? zout.from(q) + lo * es + qo : s.slot(q, h) + qo,
+              sp.len(q) * es, nt);
       s.release(q);
     }
   }
+  zout.finish(x.deadline);
   s.advance(K);
 }
 

@@ -122,10 +122,11 @@ class SymmStaging {
   Direct directSource(const void* p, size_t bytes, size_t align = 1) const;
   // Owner, after acquire(h) and before publish(h, reader): `reader`'s block of this
   // operation is `bytes` at d.offset of d.buffer (or staged when d.buffer is null).
-  void announce(int h, int reader, const Direct& d, size_t bytes);
+  // `which`: the buffer of the operation (0: its input; 1: two-shot's output).
+  void announce(int h, int reader, const Direct& d, size_t bytes, int which = 0);
   // Reader, after the owner's READY for half h: where to copy the owner's block from in
   // place (`bytes` long), or nullptr when it is staged. `op` names the operation in errors.
-  const char* announced(int owner, int h, size_t bytes, const char* op);
+  const char* announced(int owner, int h, size_t bytes, const char* op, int which = 0);
 
  private:
   struct MetaHeader {
@@ -134,15 +135,15 @@ class SymmStaging {
   struct MetaEntry {
     uint64_t addr, bytes;
   };
-  struct DirectEntry {  // zero copy: [half][reader] after the MetaEntry array
+  struct DirectEntry {  // zero copy: [which][half][reader] after the MetaEntry array
     uint64_t direct, heap_id, buffer_id, offset, bytes;
   };
   MetaHeader* meta(int rank) const;
   MetaEntry* entry(int owner, int reader) const {
     return reinterpret_cast<MetaEntry*>(meta(owner) + 1) + reader;
   }
-  DirectEntry* directEntry(int owner, int h, int reader) const {
-    return reinterpret_cast<DirectEntry*>(entry(owner, size_)) + h * size_ + reader;
+  DirectEntry* directEntry(int owner, int h, int reader, int which) const {
+    return reinterpret_cast<DirectEntry*>(entry(owner, size_)) + (which * 2 + h) * size_ + reader;
   }
   void probeCma(Deadline deadline);
 
@@ -169,7 +170,8 @@ class ZeroCopy {
  public:
   // `allowed`: false where the operation writes into its input while peers may read it
   // (then it is staged). `align`: the element size (reductions read typed elements).
-  ZeroCopy(SymmStaging& s, const void* in, size_t bytes, size_t align, bool allowed);
+  // `which`: 0 for the input; 1 for a second buffer read in place (two-shot's output).
+  ZeroCopy(SymmStaging& s, const void* in, size_t bytes, size_t align, bool allowed, int which = 0);
   bool direct() const { return d_.buffer != nullptr; }  // this rank's input is read in place
   // Owner, at its first chunk (after acquire(h), before publish(h, reader)): `reader`
   // reads [in + offset, + bytes) in place, or from the staging when not direct().
@@ -189,6 +191,7 @@ class ZeroCopy {
  private:
   SymmStaging& s_;
   SymmStaging::Direct d_;
+  int which_ = 0;
   std::vector<const char*> from_;  // by owner
 };
 

@@ -104,11 +104,12 @@ void runPatterns(int ranks, size_t off) {
                                        inplace ? "in place" : "out of place", root));
               T* A = sym ? sym_a->local<T>(off * sizeof(T)) : plain_a.data() + off;  // local(): bytes
               T* B = sym ? sym_b->local<T>(off * sizeof(T)) : plain_b.data() + off;
-              // Checks `got` after overwriting the input at once (no reader may still copy it).
-              // (The result is copied first: in place, it is in the input.)
-              auto reuse = [&](T* input, size_t in_n, const T* got, size_t got_n) -> const T* {
+              // Overwrites the input and the output at once (no peer may still read either)
+              // and returns a copy of the output taken first, to check.
+              auto reuse = [&](T* input, size_t in_n, T* got, size_t got_n) -> const T* {
                 std::memcpy(copy.data(), got, got_n * sizeof(T));
                 std::memset(input, 0xA5, in_n * sizeof(T));
+                std::memset(got, 0x5A, got_n * sizeof(T));
                 return copy.data();
               };
               auto directReads = [&](auto&& call) {
@@ -118,7 +119,8 @@ void runPatterns(int ranks, size_t off) {
               };
 
               // Allreduce, every algorithm. One-shot in place stages (it writes its output
-              // while peers read that chunk of its input).
+              // while peers read that chunk of its input). Two-shot also reads the reduced
+              // blocks from a symmetric output in place (here: symmetric ranks' outputs are).
               for (const char* algo : {"oneshot", "twoshot", "twoshot_nt"}) {
                 CollOptions o;
                 o.algorithm = algo;
@@ -126,7 +128,8 @@ void runPatterns(int ranks, size_t off) {
                 T* out = inplace ? A : B;
                 const int reads =
                     directReads([&] { coll.allreduce(A, out, n, t, ReduceOp::kSum, o)->wait(); });
-                EXPECT_EQ(reads, inplace && std::string(algo) == "oneshot" ? 0 : peers_sym) << algo;
+                const bool oneshot = std::string(algo) == "oneshot";
+                EXPECT_EQ(reads, oneshot ? (inplace ? 0 : peers_sym) : 2 * peers_sym) << algo;
                 const T* got = reuse(A, n, out, n);
                 EXPECT_EQ(firstWrong(got, n, [&](size_t i) { return sumOf<T>(p, iter, i); }), -1) << algo;
               }
