@@ -3,7 +3,9 @@
 // the very communicator the group's Collectives uses, so one-node allgather/alltoall read such
 // inputs in place (docs/symmem.md, zero-copy host collectives). The storage's DataPtr context
 // keeps the buffer alive and marks the tensor as symmetric (peer views carry the same context).
-// CPU tensors only: CUDA symmetric tensors (symmem/cuda's allocator) are not bound yet.
+// CUDA tensors (CUDA builds against a CUDA torch, CROSSBAR_TORCH_CUDA): a second heap per
+// communicator and device over symmem/cuda's VMM allocator; signals, waits and barriers are
+// stream memory operations on torch's current stream (symmem/cuda/cuda_symmetric.h).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -27,6 +29,19 @@
 #include "torch_backend/backend.h"
 #include "torch_backend/withdraw.h"
 
+#if CROSSBAR_TORCH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <thread>
+
+#include "symmem/cuda/cuda_segment_allocator.h"
+#include "symmem/cuda/cuda_symmetric.h"
+#include "symmem/cuda/driver_api.h"
+#endif
+
 namespace py = pybind11;
 
 namespace crossbar::torch_backend {
@@ -35,6 +50,7 @@ namespace {
 // What a symmetric tensor's storage holds on to.
 struct SymmAllocation {
   std::shared_ptr<symm::SymmetricBuffer> buffer;
+  int device = -1;                 // CUDA device of the buffer, -1: host memory
   std::vector<std::string> hosts;  // by rank, for errors
   Millis timeout{0};               // the communicator's: default deadline of waits
 };
@@ -43,18 +59,23 @@ void deleteAllocation(void* ctx) {
   delete static_cast<std::shared_ptr<SymmAllocation>*>(ctx);
 }
 
-// One heap per communicator (creation is collective, so it happens once, at the first
-// allocation on that communicator), plus a small buffer whose signal pads carry barrier().
+// One heap per communicator and device (-1: host memory; creation is collective, so it happens
+// once, at the first allocation or barrier there), plus a small buffer whose signal pads carry
+// barrier().
 struct HeapEntry {
-  std::weak_ptr<Communicator> comm;
   symm::SymmetricHeap heap;
   std::shared_ptr<symm::SymmetricBuffer> barrier;
-  uint64_t empty_calls = 0;  // crossbar.symm.empty calls so far (alike on every rank)
+};
+
+struct CommEntry {
+  std::weak_ptr<Communicator> comm;
+  uint64_t empty_calls = 0;          // crossbar.symm.empty calls so far (alike on every rank)
+  std::map<int, HeapEntry> heaps;    // by device
 };
 
 struct HeapRegistry {
   std::mutex mutex;
-  std::map<const Communicator*, HeapEntry> heaps;
+  std::map<const Communicator*, CommEntry> comms;
 };
 
 // Leaked on purpose: heaps hold sockets and the store, which must not be torn down by static
@@ -68,38 +89,61 @@ std::shared_ptr<Communicator> communicatorOf(const py::object& backend) {
   return backend.cast<CrossbarBackend&>().communicator().shared_from_this();
 }
 
-// The communicator's heap entry, created (collectively) on first use.
-HeapEntry& heapOf(const std::shared_ptr<Communicator>& comm) {
+CommEntry& commEntryOf(const std::shared_ptr<Communicator>& comm) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  for (auto it = r.heaps.begin(); it != r.heaps.end();)  // communicators gone since: drop their heaps
-    it = it->second.comm.expired() ? r.heaps.erase(it) : std::next(it);
-  auto it = r.heaps.find(comm.get());
-  if (it != r.heaps.end()) return it->second;
+  for (auto it = r.comms.begin(); it != r.comms.end();)  // communicators gone since: drop their heaps
+    it = it->second.comm.expired() ? r.comms.erase(it) : std::next(it);
+  auto [it, added] = r.comms.try_emplace(comm.get());
+  if (added) it->second.comm = comm;
+  return it->second;
+}
+
+// The communicator's heap on `device` (-1: host), created (collectively) on first use.
+HeapEntry& heapOf(const std::shared_ptr<Communicator>& comm, int device) {
+  CommEntry& c = commEntryOf(comm);
+  auto it = c.heaps.find(device);
+  if (it != c.heaps.end()) return it->second;
   HeapEntry e;
-  e.comm = comm;
   symm::HeapOptions o;
   o.name = "torch";
+#if CROSSBAR_TORCH_CUDA
+  if (device >= 0) {
+    if (comm->numNodes() > 1)
+      throw Unsupported(errorContext(comm->rank(), "crossbar.symm on CUDA") +
+                        fmt::format("the group spans {} nodes; CUDA symmetric tensors need every rank of the group "
+                                    "on one node (GPU memory is mapped between local processes only): use a group "
+                                    "of one node's ranks, or collectives",
+                                    comm->numNodes()));
+    o.name = "torch-cuda";
+    o.allocator = cuda::makeCudaSegmentAllocator(device);
+    o.remote_access = false;
+  }
+#endif
   e.heap = symm::SymmetricHeap::create(comm, o);
   e.barrier = e.heap.allocate(1);
-  return r.heaps.emplace(comm.get(), std::move(e)).first->second;
+  return c.heaps.emplace(device, std::move(e)).first->second;
 }
 
 at::Tensor storageTensor(const std::shared_ptr<SymmAllocation>& alloc, void* data, size_t nbytes) {
-  c10::DataPtr ptr(data, new std::shared_ptr<SymmAllocation>(alloc), &deleteAllocation,
-                   c10::Device(c10::kCPU));
+  const c10::Device device = alloc->device < 0
+                                 ? c10::Device(c10::kCPU)
+                                 : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(alloc->device));
+  c10::DataPtr ptr(data, new std::shared_ptr<SymmAllocation>(alloc), &deleteAllocation, device);
   c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<int64_t>(nbytes), std::move(ptr),
                        /*allocator=*/nullptr, /*resizable=*/false);
-  return at::empty({0}, at::TensorOptions().dtype(at::kByte))
+  return at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device))
       .set_(storage, 0, {static_cast<int64_t>(nbytes)}, {1});
 }
 
 // The allocation behind symmetric tensor `t` (or one of its views / peer views).
 std::shared_ptr<SymmAllocation> allocationOf(const at::Tensor& t, const char* op) {
   if (!t.defined()) throw InvalidArgument(std::string("crossbar.symm.") + op + ": the tensor is undefined");
-  if (!t.device().is_cpu())
+  if (!t.device().is_cpu() && !(CROSSBAR_TORCH_CUDA && t.device().is_cuda()))
     throw Unsupported(std::string("crossbar.symm.") + op + ": the tensor is on " + t.device().str() +
-                      "; symmetric tensors are CPU tensors for now (allocate with crossbar.symm.empty)");
+                      "; symmetric tensors are CPU tensors" +
+                      (CROSSBAR_TORCH_CUDA ? " or CUDA tensors" : " (this build has no CUDA symmetric tensors)") +
+                      " allocated with crossbar.symm.empty");
   const c10::DataPtr& dp = t.storage().data_ptr();
   if (dp.get_deleter() != &deleteAllocation)
     throw InvalidArgument(std::string("crossbar.symm.") + op +
@@ -129,24 +173,27 @@ struct EmptyRequest {
   uint64_t call = 0;  // empty() calls on this communicator before this one
   uint64_t nbytes = 0;
   char dtype[40] = {};  // "torch.float32"
+  char device[8] = {};  // "cpu" or "cuda" (ranks may use different GPUs)
   uint64_t ndim = 0;
   int64_t dims[kMaxDims] = {};
 
   bool sameAs(const EmptyRequest& o) const {
-    return nbytes == o.nbytes && std::strncmp(dtype, o.dtype, sizeof(dtype)) == 0 && ndim == o.ndim &&
+    return nbytes == o.nbytes && std::strncmp(dtype, o.dtype, sizeof(dtype)) == 0 &&
+           std::strncmp(device, o.device, sizeof(device)) == 0 && ndim == o.ndim &&
            std::equal(dims, dims + ndim, o.dims);
   }
   std::string text() const {
     std::vector<int64_t> shape(dims, dims + std::min<uint64_t>(ndim, kMaxDims));
-    return fmt::format("shape=({}{}), dtype={} ({} bytes)", fmt::join(shape, ", "), ndim == 1 ? "," : "",
-                       std::string(dtype, strnlen(dtype, sizeof(dtype))), nbytes);
+    return fmt::format("shape=({}{}), dtype={}, device={} ({} bytes)", fmt::join(shape, ", "),
+                       ndim == 1 ? "," : "", std::string(dtype, strnlen(dtype, sizeof(dtype))),
+                       std::string(device, strnlen(device, sizeof(device))), nbytes);
   }
 };
 
 // Sends this rank's request to every other rank and checks theirs (point to point on an
 // internal tag: the group's collectives may be busy). Every rank sees every request, so when
 // any two differ, every rank throws InvalidUsage (naming the first rank that differs from it).
-void checkSameEmptyRequest(Communicator& comm, HeapEntry& e, EmptyRequest mine,
+void checkSameEmptyRequest(Communicator& comm, CommEntry& e, EmptyRequest mine,
                            const std::vector<std::string>& hosts) {
   const int n = comm.size(), me = comm.rank();
   const char* op = "crossbar.symm.empty";
@@ -200,9 +247,16 @@ void checkSameEmptyRequest(Communicator& comm, HeapEntry& e, EmptyRequest mine,
 // Collective: a zero-filled uint8 tensor over a new symmetric buffer, after every rank
 // confirmed it asks for the same shape and dtype.
 at::Tensor emptyBytes(const py::object& backend, const std::vector<int64_t>& shape, const std::string& dtype,
-                      size_t itemsize) {
+                      size_t itemsize, int device) {
   auto comm = communicatorOf(backend);
+#if !CROSSBAR_TORCH_CUDA
+  if (device >= 0)
+    throw Unsupported(errorContext(comm->rank(), "crossbar.symm.empty") +
+                      "this build has no CUDA symmetric tensors (crossbar built without CUDA, or against a CPU-only "
+                      "torch); allocate on the CPU");
+#endif
   auto alloc = std::make_shared<SymmAllocation>();
+  alloc->device = device;
   alloc->timeout = comm->timeout();
   for (int r = 0; r < comm->size(); ++r) alloc->hosts.push_back(comm->host(r));
   const char* op = "crossbar.symm.empty";
@@ -226,10 +280,16 @@ at::Tensor emptyBytes(const py::object& backend, const std::vector<int64_t>& sha
   std::memcpy(mine.dtype, dtype.data(), dtype.size());
   mine.ndim = shape.size();
   std::copy(shape.begin(), shape.end(), mine.dims);
+  std::strcpy(mine.device, device < 0 ? "cpu" : "cuda");
   {
     py::gil_scoped_release release;
-    HeapEntry& e = heapOf(comm);
-    checkSameEmptyRequest(*comm, e, mine, alloc->hosts);
+    // Agree first: a heap's creation is collective too, per device.
+    checkSameEmptyRequest(*comm, commEntryOf(comm), mine, alloc->hosts);
+#if CROSSBAR_TORCH_CUDA
+    std::optional<c10::cuda::CUDAGuard> guard;
+    if (device >= 0) guard.emplace(static_cast<c10::DeviceIndex>(device));
+#endif
+    HeapEntry& e = heapOf(comm, device);
     // At least one byte: an empty tensor still takes part in the collective allocation.
     alloc->buffer = e.heap.allocate(nbytes > 0 ? nbytes : 1);
   }
@@ -256,12 +316,121 @@ Deadline deadlineOf(const SymmAllocation& a, std::optional<double> timeout_s) {
   return Deadline::after(Millis(static_cast<int64_t>(*timeout_s * 1000.0)));
 }
 
-void barrier(const py::object& backend, std::optional<double> timeout_s) {
+#if CROSSBAR_TORCH_CUDA
+cudaStream_t currentStream(int device) {
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+}
+
+void requireNoTimeout(const SymmAllocation& a, std::optional<double> timeout_s, const char* op) {
+  if (timeout_s)
+    throw InvalidArgument(rankText(a) + ": crossbar.symm." + op +
+                          " on a CUDA tensor is ordered on the current stream and does not block the host, so it "
+                          "takes no timeout: bound it with crossbar.symm.synchronize(timeout=...)");
+}
+#endif
+
+void barrier(const py::object& backend, std::optional<double> timeout_s, int device) {
   auto comm = communicatorOf(backend);
+#if CROSSBAR_TORCH_CUDA
+  if (device >= 0) {
+    if (timeout_s)
+      throw InvalidArgument(errorContext(comm->rank(), "crossbar.symm.barrier") +
+                            "a CUDA barrier is ordered on the current stream and does not block the host, so it takes "
+                            "no timeout: bound it with crossbar.symm.synchronize(timeout=...)");
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    cudaStream_t stream = currentStream(device);
+    py::gil_scoped_release release;
+    HeapEntry& e = heapOf(comm, device);
+    // Every rank signals every other after the stream's earlier work (with a memory barrier),
+    // then the stream waits for everyone's signal: later work sees all earlier writes.
+    symm::SymmetricBuffer& b = *e.barrier;
+    for (int p = 0; p < b.worldSize(); ++p)
+      if (p != b.rank()) cuda::streamPutSignal(b, p, 0, stream);
+    for (int p = 0; p < b.worldSize(); ++p)
+      if (p != b.rank()) cuda::streamWaitSignal(b, p, 0, stream);
+    return;
+  }
+#else
+  if (device >= 0)
+    throw Unsupported(errorContext(comm->rank(), "crossbar.symm.barrier") +
+                      "this build has no CUDA symmetric tensors (crossbar built without CUDA, or against a CPU-only "
+                      "torch)");
+#endif
   py::gil_scoped_release release;
-  HeapEntry& e = heapOf(comm);
+  HeapEntry& e = heapOf(comm, -1);
   const Millis t = timeout_s ? Millis(static_cast<int64_t>(*timeout_s * 1000.0)) : comm->timeout();
   e.barrier->barrier(0, Deadline::after(t));
+}
+
+void signal(const at::Tensor& t, int peer, int channel) {
+  auto a = allocationOf(t, "signal");
+  checkPeerRank(*a, peer, "signal");
+#if CROSSBAR_TORCH_CUDA
+  if (a->device >= 0) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(a->device));
+    cuda::streamPutSignal(*a->buffer, peer, channel, currentStream(a->device));
+    return;
+  }
+#endif
+  py::gil_scoped_release release;
+  a->buffer->putSignal(peer, channel);
+}
+
+void waitSignal(const at::Tensor& t, int peer, int channel, std::optional<double> timeout_s) {
+  auto a = allocationOf(t, "wait_signal");
+  checkPeerRank(*a, peer, "wait_signal");
+#if CROSSBAR_TORCH_CUDA
+  if (a->device >= 0) {
+    requireNoTimeout(*a, timeout_s, "wait_signal");
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(a->device));
+    cuda::streamWaitSignal(*a->buffer, peer, channel, currentStream(a->device));
+    return;
+  }
+#endif
+  const Deadline d = deadlineOf(*a, timeout_s);
+  py::gil_scoped_release release;
+  a->buffer->waitSignal(peer, channel, d);
+}
+
+// Blocks the host until the current stream of `device` has finished what is queued on it
+// now, or the timeout passes (Timeout: a stream-ordered wait whose signal never came).
+void synchronize(int device, double timeout_s) {
+#if CROSSBAR_TORCH_CUDA
+  const char* op = "crossbar.symm.synchronize";
+  if (timeout_s < 0) throw InvalidArgument(errorContext(-1, op) + "timeout must be >= 0 seconds");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cudaEvent_t ev = nullptr;
+  cuda::checkCuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreateWithFlags", device);
+  const cudaError_t rec = cudaEventRecord(ev, currentStream(device));
+  if (rec != cudaSuccess) {
+    cudaEventDestroy(ev);
+    cuda::checkCuda(rec, "cudaEventRecord", device);
+  }
+  const Deadline deadline = Deadline::after(Millis(static_cast<int64_t>(timeout_s * 1000.0)));
+  py::gil_scoped_release release;
+  while (true) {
+    const cudaError_t q = cudaEventQuery(ev);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) {
+      cudaEventDestroy(ev);
+      cuda::checkCuda(q, "cudaEventQuery", device);
+    }
+    if (deadline.expired()) {
+      cudaEventDestroy(ev);  // released once the stream passes it
+      throw Timeout(errorContext(-1, op) +
+                    fmt::format("the current stream of cuda:{} did not finish within {} s: a symmetric-memory "
+                                "wait_signal/barrier on it is waiting for a peer that has not signaled (hung, slow, "
+                                "or not making the same calls); the stream stays blocked until it does",
+                                device, timeout_s));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  cudaEventDestroy(ev);
+#else
+  (void)timeout_s;
+  throw Unsupported(errorContext(-1, "crossbar.symm.synchronize") +
+                    fmt::format("cuda:{}: this build has no CUDA symmetric tensors", device));
+#endif
 }
 
 }  // namespace
@@ -269,33 +438,22 @@ void barrier(const py::object& backend, std::optional<double> timeout_s) {
 void bindSymm(py::module_& m) {
   auto s = m.def_submodule("_symm", "symmetric-memory tensors (see crossbar.symm)");
   s.def("empty_bytes", &emptyBytes, py::arg("backend"), py::arg("shape"), py::arg("dtype"), py::arg("itemsize"),
-        "Collective over the backend's group: a zero-filled uint8 CPU tensor of prod(shape) * itemsize bytes in a "
-        "symmetric buffer; InvalidUsage on every rank when ranks ask for different shapes or dtypes (named).");
+        py::arg("device") = -1,
+        "Collective over the backend's group: a zero-filled uint8 tensor of prod(shape) * itemsize bytes in a "
+        "symmetric buffer on the CPU (device -1) or CUDA device `device`; InvalidUsage on every rank when ranks ask "
+        "for different shapes, dtypes or device types (named).");
+  s.def("cuda_available", [] { return CROSSBAR_TORCH_CUDA != 0; },
+        "Whether this build has CUDA symmetric tensors (a CUDA build of crossbar against a CUDA torch).");
+  s.def("synchronize", &synchronize, py::arg("device"), py::arg("timeout"));
   s.def("peer", &peerView, py::arg("t"), py::arg("rank"));
-  s.def(
-      "signal",
-      [](const at::Tensor& t, int peer, int channel) {
-        auto a = allocationOf(t, "signal");
-        checkPeerRank(*a, peer, "signal");
-        py::gil_scoped_release release;
-        a->buffer->putSignal(peer, channel);
-      },
-      py::arg("t"), py::arg("peer"), py::arg("channel"));
-  s.def(
-      "wait_signal",
-      [](const at::Tensor& t, int peer, int channel, std::optional<double> timeout_s) {
-        auto a = allocationOf(t, "wait_signal");
-        checkPeerRank(*a, peer, "wait_signal");
-        const Deadline d = deadlineOf(*a, timeout_s);
-        py::gil_scoped_release release;
-        a->buffer->waitSignal(peer, channel, d);
-      },
-      py::arg("t"), py::arg("peer"), py::arg("channel"), py::arg("timeout") = std::nullopt);
+  s.def("signal", &signal, py::arg("t"), py::arg("peer"), py::arg("channel"));
+  s.def("wait_signal", &waitSignal, py::arg("t"), py::arg("peer"), py::arg("channel"),
+        py::arg("timeout") = std::nullopt);
   s.def("channels", [](const at::Tensor& t) { return allocationOf(t, "channels")->buffer->channels(); });
   s.def("is_symmetric", [](const at::Tensor& t) {
-    return t.defined() && t.device().is_cpu() && t.storage().data_ptr().get_deleter() == &deleteAllocation;
+    return t.defined() && t.has_storage() && t.storage().data_ptr().get_deleter() == &deleteAllocation;
   });
-  s.def("barrier", &barrier, py::arg("backend"), py::arg("timeout") = std::nullopt);
+  s.def("barrier", &barrier, py::arg("backend"), py::arg("timeout") = std::nullopt, py::arg("device") = -1);
   s.def(
       "direct_reads", [] { return symmDirectReads(); },
       "Blocks this process's collectives read in place from peers' symmetric inputs (zero copy).");

@@ -17,7 +17,13 @@ zero-filled and live as long as the tensor's storage (or any peer view of it). E
 crossbar's typed exceptions (``InvalidUsage`` on every rank when ranks ask for different shapes
 or dtypes, ``TimeoutError`` when a wait's deadline passes).
 
-CPU tensors (host memory) only for now: CUDA symmetric tensors raise ``Unsupported``.
+CUDA tensors (``empty(..., device="cuda")``; CUDA builds against a CUDA torch, every rank of the
+group on one node): GPU memory from a second heap per group and device, mapped by the local
+ranks, so ``peer`` returns a CUDA tensor over a peer's memory. ``signal``, ``wait_signal`` and
+``barrier(device="cuda")`` are enqueued on torch's current stream (stream memory operations,
+no kernel) and return at once, like NCCL calls: ``signal`` lands after the stream's earlier work
+(its writes visible to the peer first), and later work on the stream runs after the awaited
+signal. The GPU waits without a deadline; ``synchronize(device, timeout)`` bounds it on the host.
 """
 
 from __future__ import annotations
@@ -27,23 +33,49 @@ import torch
 from . import _C, errors
 from ._group import crossbar_backend
 
-__all__ = ["empty", "peer", "signal", "wait_signal", "barrier", "is_symmetric"]
+__all__ = ["empty", "peer", "signal", "wait_signal", "barrier", "synchronize", "is_symmetric", "cuda_available"]
+
+
+def cuda_available() -> bool:
+    """Whether CUDA symmetric tensors can be used here: this build has them (a CUDA build of
+    crossbar against a CUDA torch) and torch sees a GPU."""
+    return bool(_C._symm.cuda_available()) and torch.cuda.is_available()
+
+
+def _seconds(timeout):
+    if timeout is not None and hasattr(timeout, "total_seconds"):
+        timeout = timeout.total_seconds()
+    return None if timeout is None else float(timeout)
+
+
+def _cuda_index(device, who: str) -> int:
+    """-1 for the CPU, else the CUDA device index (``"cuda"``: the current device)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cpu":
+        return -1
+    if dev.type != "cuda":
+        raise errors.Unsupported(f"{who} on {dev}: symmetric tensors are CPU or CUDA tensors")
+    if not _C._symm.cuda_available():
+        raise errors.Unsupported(
+            f"{who} on {dev}: this build has no CUDA symmetric tensors (crossbar built without CUDA, or "
+            "against a CPU-only torch); allocate on the CPU (device=None or 'cpu')"
+        )
+    if not torch.cuda.is_available():
+        raise errors.Unsupported(f"{who} on {dev}: torch sees no CUDA device here; allocate on the CPU")
+    return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
 def empty(shape, dtype: torch.dtype = torch.float32, group=None, device=None) -> torch.Tensor:
-    """A zero-filled CPU tensor in symmetric memory. Collective over ``group`` (default: the
-    world): every rank calls it with the same shape and dtype, in the same order."""
-    if device is not None and torch.device(device).type != "cpu":
-        raise errors.Unsupported(
-            f"crossbar.symm.empty on {device}: symmetric tensors are CPU tensors for now; "
-            "allocate on the CPU (device=None or 'cpu')"
-        )
+    """A zero-filled tensor in symmetric memory, on the CPU (default) or a CUDA device
+    (``"cuda"``: the current one). Collective over ``group`` (default: the world): every rank
+    calls it with the same shape, dtype and device type, in the same order."""
+    index = _cuda_index(device, "crossbar.symm.empty")
     shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
     if any(d < 0 for d in shape):
         raise errors.InvalidArgument(f"crossbar.symm.empty: negative dimension in shape {shape}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    # Ranks that ask for different shapes or dtypes get InvalidUsage, all of them.
-    raw = _C._symm.empty_bytes(crossbar_backend(group, "crossbar.symm"), list(shape), str(dtype), itemsize)
+    # Ranks that ask for different shapes, dtypes or device types get InvalidUsage, all of them.
+    raw = _C._symm.empty_bytes(crossbar_backend(group, "crossbar.symm"), list(shape), str(dtype), itemsize, index)
     return raw.view(dtype).view(shape)
 
 
@@ -60,21 +92,34 @@ def peer(t: torch.Tensor, rank: int) -> torch.Tensor:
 
 def signal(t: torch.Tensor, peer: int, channel: int = 0) -> None:
     """Adds a signal to ``peer``'s pad of ``t``'s buffer on ``channel``; it is ordered after this
-    rank's earlier writes, so the peer sees them once its ``wait_signal`` returns."""
+    rank's earlier writes, so the peer sees them once its ``wait_signal`` returns. CUDA tensors:
+    enqueued on the current stream, after the stream's earlier work."""
     _C._symm.signal(t, int(peer), int(channel))
 
 
 def wait_signal(t: torch.Tensor, peer: int, channel: int = 0, timeout=None) -> None:
     """Waits for the next signal from ``peer`` on ``channel`` of ``t``'s buffer. ``timeout``
-    (seconds or timedelta; default the group's timeout): crossbar.TimeoutError when it passes."""
-    if timeout is not None and hasattr(timeout, "total_seconds"):
-        timeout = timeout.total_seconds()
-    _C._symm.wait_signal(t, int(peer), int(channel), None if timeout is None else float(timeout))
+    (seconds or timedelta; default the group's timeout): crossbar.TimeoutError when it passes.
+    CUDA tensors: the current stream waits (later work on it sees the peer's writes) and the
+    call returns at once; no timeout (bound it with ``synchronize``)."""
+    _C._symm.wait_signal(t, int(peer), int(channel), _seconds(timeout))
 
 
-def barrier(group=None, timeout=None) -> None:
+def barrier(group=None, timeout=None, device=None) -> None:
     """Every rank of ``group`` arrives before any leaves; writes to symmetric tensors made before
-    it are visible to every rank after it (signals on the group's heap, not a collective)."""
-    if timeout is not None and hasattr(timeout, "total_seconds"):
-        timeout = timeout.total_seconds()
-    _C._symm.barrier(crossbar_backend(group, "crossbar.symm"), None if timeout is None else float(timeout))
+    it are visible to every rank after it (signals on the group's heap, not a collective).
+    ``device="cuda"``: a barrier on the current stream over the group's CUDA heap (ordering the
+    streams' work on CUDA symmetric tensors); returns at once, no timeout (see ``synchronize``)."""
+    index = _cuda_index(device, "crossbar.symm.barrier")
+    _C._symm.barrier(crossbar_backend(group, "crossbar.symm"), _seconds(timeout), index)
+
+
+def synchronize(device="cuda", timeout=None) -> None:
+    """Blocks until the current stream of ``device`` has run what is queued on it now, or raises
+    crossbar.TimeoutError after ``timeout`` (default 300 s): a ``wait_signal`` or CUDA
+    ``barrier`` on that stream whose peer never signaled (the stream stays blocked)."""
+    index = _cuda_index(device, "crossbar.symm.synchronize")
+    if index < 0:
+        return
+    seconds = _seconds(timeout)
+    _C._symm.synchronize(index, 300.0 if seconds is None else seconds)

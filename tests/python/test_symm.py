@@ -84,8 +84,13 @@ def _views_signals_collectives(rank, world):
         symm.peer(torch.zeros(3), 0)
     with pytest.raises(crossbar.InvalidArgument, match=f"peer {world} is not a rank"):
         symm.peer(t, world)
-    with pytest.raises(crossbar.Unsupported, match="CPU"):
-        symm.empty(4, device="cuda")
+    with pytest.raises(crossbar.Unsupported, match="CPU or CUDA"):
+        symm.empty(4, device="meta")
+    if not symm.cuda_available():  # no GPU here, or a build without CUDA symmetric tensors
+        with pytest.raises(crossbar.Unsupported, match="allocate on the CPU"):
+            symm.empty(4, device="cuda")
+        with pytest.raises(crossbar.Unsupported, match="allocate on the CPU"):
+            symm.barrier(device="cuda")
     symm.barrier()
 
 
