@@ -106,6 +106,47 @@ std::exception_ptr withPrefix(const std::exception_ptr& e, const std::string& pr
   }
 }
 
+// The bytes an eager call reads from the caller (what publishing copies into its slot)
+// and writes for the caller.
+struct ByteRange {
+  const char* begin = nullptr;
+  size_t bytes = 0;
+  bool overlaps(const ByteRange& o) const {
+    return bytes && o.bytes && begin < o.begin + o.bytes && o.begin < begin + bytes;
+  }
+};
+
+ByteRange eagerInput(const CollArgs& a, int p) {
+  const size_t blk = a.count * elementSize(a.type);
+  switch (a.coll) {
+    case CollType::kAllreduce:
+    case CollType::kAllgather:
+      return {static_cast<const char*>(a.send), blk};
+    case CollType::kReduceScatter:
+    case CollType::kAlltoall:
+      return {static_cast<const char*>(a.send), blk * p};
+    case CollType::kBroadcast:
+      return {static_cast<const char*>(a.recv), blk};  // the root's (others read nothing)
+    default:
+      return {};
+  }
+}
+
+ByteRange eagerOutput(const CollArgs& a, int p) {
+  const size_t blk = a.count * elementSize(a.type);
+  switch (a.coll) {
+    case CollType::kAllreduce:
+    case CollType::kReduceScatter:
+    case CollType::kBroadcast:
+      return {static_cast<const char*>(a.recv), blk};
+    case CollType::kAllgather:
+    case CollType::kAlltoall:
+      return {static_cast<const char*>(a.recv), blk * p};
+    default:
+      return {};
+  }
+}
+
 // One planned operation: validated, its algorithm selected and numbered by the issuing
 // thread (so every rank agrees), executed later by whichever thread runs it.
 struct Planned {
@@ -315,6 +356,35 @@ struct Queue {
     cv.notify_all();
   }
 
+  // Publishes the eager slots of `first` (when not null) and of the eager calls queued
+  // right behind it, as far as their slots are free (m held, by the thread that is
+  // the executor: the eager channel is not thread-safe). Their inputs are final once
+  // issued, so they need not wait for the calls ahead: peers that run meanwhile find
+  // a run of calls ready instead of one per turn (with more ranks than cores each rank
+  // runs in turns, and a turn then completes up to kEagerSlots calls, not one).
+  // Stream order holds: a call whose input overlaps the output of a call ahead of it
+  // that has not finished (the next allreduce of the same tensor) waits its turn.
+  void publishAhead(WorkImpl* first) {
+    if (sticky) return;  // nothing after a failure runs
+    const int p = shared->comm->size();
+    std::vector<ByteRange> ahead;  // outputs of the unfinished calls ahead
+    auto publish = [&](WorkImpl& w) {
+      if (w.is_group || !w.op.eager) return false;
+      if (!w.eager_published) {
+        const ByteRange in = eagerInput(w.op.args, p);
+        for (const ByteRange& out : ahead)
+          if (in.overlaps(out)) return false;
+        if (!shared->eager->tryPublish(w.op.args, w.op.seq)) return false;
+        w.eager_published = true;
+      }
+      ahead.push_back(eagerOutput(w.op.args, p));
+      return true;
+    };
+    if (first && !publish(*first)) return;
+    for (auto& w : items)
+      if (!publish(*w)) return;
+  }
+
   // Executes the head; called and returns with `lk` held.
   void runHead(std::unique_lock<std::mutex>& lk) {
     std::shared_ptr<WorkImpl> w = std::move(items.front());
@@ -323,6 +393,7 @@ struct Queue {
     w->started = true;
     std::exception_ptr first = sticky;
     std::string first_op = first ? sticky_op : std::string();
+    if (!telemetry::Recorder::instance().enabled()) publishAhead(w.get());
     lk.unlock();
     std::exception_ptr err;
     if (first) {
@@ -373,6 +444,7 @@ struct Queue {
       lk.lock();
       if (!finished) {
         items.push_front(std::move(w));
+        publishAhead(nullptr);
         executing = false;
         cv.notify_all();  // a waiting thread may run it now
         return;

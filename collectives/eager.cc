@@ -180,8 +180,10 @@ void EagerChannel::waitSlotFree(uint64_t seq, Deadline deadline) {
 bool EagerChannel::slotFree(uint64_t seq) {
   const uint64_t prev = header(rank_, seq)->seq1.load(std::memory_order_relaxed);
   if (prev == 0) return true;
+  // This rank too: a call published ahead of the ones before it (the queue's
+  // publishAhead) must not overwrite a slot this rank has not read back yet.
   for (int q = 0; q < size_; ++q) {
-    if (q == rank_ || known_done_[q] >= prev) continue;
+    if (known_done_[q] >= prev) continue;
     known_done_[q] = __atomic_load_n(doneWord(q), __ATOMIC_ACQUIRE);
     if (known_done_[q] < prev) return false;
   }

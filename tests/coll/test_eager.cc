@@ -673,3 +673,47 @@ TEST(Eager, PeerDeathAndAbortEndTheWait) {
     env.store->set("test/aborted", "1");
   });
 }
+
+// Calls queued behind a late one are published ahead of it (their inputs are final at
+// issue), except a call that reads what a call ahead of it writes: stream order. Rank
+// 0 issues chains of dependent calls while rank 1 is late, so rank 0's calls queue up
+// behind an unfinished head; a call published too early would read the stale input.
+TEST(Eager, PublishAheadKeepsStreamOrder) {
+  for (int n : {2, 4}) {
+    SCOPED_TRACE(fmt::format("{} ranks", n));
+    runRanks(n, [](RankEnv& env) {
+      auto comm = env.communicator();
+      Collectives coll(comm);
+      const int p = comm->size();
+      constexpr int kChain = 20;
+      for (int round = 0; round < 3; ++round) {
+        if (comm->rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        // In place: x = sum(x) kChain times -> p^kChain.
+        std::vector<int64_t> x(3, 1);
+        // Out of place, alternating: a -> b -> a ...; plus independent calls between.
+        std::vector<int64_t> a(2, comm->rank() + 1), b(2, 0), c(4, 0), other(5, 0);
+        std::vector<WorkPtr> works;
+        for (int i = 0; i < kChain; ++i) {
+          works.push_back(coll.allreduce(x.data(), x.data(), 3, DataType::kInt64, ReduceOp::kSum));
+          works.push_back(i % 2 ? coll.allreduce(b.data(), a.data(), 2, DataType::kInt64, ReduceOp::kSum)
+                                : coll.allreduce(a.data(), b.data(), 2, DataType::kInt64, ReduceOp::kSum));
+          works.push_back(coll.allreduce(c.data(), other.data(), 4, DataType::kInt64, ReduceOp::kMax));
+        }
+        // An allgather reading the in-place result.
+        std::vector<int64_t> gathered(3 * p, 0);
+        works.push_back(coll.allgather(x.data(), gathered.data(), 3, DataType::kInt64));
+        for (auto& w : works) w->wait();
+        int64_t expect_x = 1, expect_ab = 0;
+        for (int i = 0; i < kChain; ++i) expect_x *= p;
+        for (int r = 0; r < p; ++r) expect_ab += r + 1;  // first sum, then times p per step
+        for (int i = 1; i < kChain; ++i) expect_ab *= p;
+        for (int64_t v : x) ASSERT_EQ(v, expect_x) << "round " << round;
+        for (int64_t v : gathered) ASSERT_EQ(v, expect_x) << "round " << round;
+        const std::vector<int64_t>& last = (kChain - 1) % 2 ? a : b;
+        for (int64_t v : last) ASSERT_EQ(v, expect_ab) << "round " << round;
+        EXPECT_NE(works[0]->description().find("(eager)"), std::string::npos);
+      }
+      comm->destroy();
+    });
+  }
+}
