@@ -376,6 +376,9 @@ CROSSBAR_AVX2 inline uint32_t absMaxBits(const BFloat16* x, int count) {
     m1 = _mm256_max_epu16(
         m1, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16)), abs16));
   }
+  for (; i + 16 <= count; i += 16)
+    m0 = _mm256_max_epu16(
+        m0, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs16));
   m0 = _mm256_max_epu16(m0, m1);
   // Horizontal max of 16 lanes: minpos finds the smallest of the complements.
   const __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m0), _mm256_extracti128_si256(m0, 1));
@@ -529,15 +532,10 @@ CROSSBAR_AVX2 inline __m256i e2m1Codes(__m256 v) {
 
 // One NVFP4 block (count <= 16): scale byte, and (count + 1) / 2 packed bytes, low nibble
 // first, like nvfp4Quantize.
+// nvfp4Encode's packed codes of count (<= 16) values for a divisor d > 0, finite.
 template <class T>
-CROSSBAR_AVX2 uint8_t nvfp4Block(const T* x, int count, float global_scale, uint8_t* packed) {
-  const uint8_t scale = nvfp4BlockScale(amaxOf(x, count), global_scale);
-  const float d = nvfp4Divisor(scale, global_scale);
+CROSSBAR_AVX2 void nvfp4Codes(const T* x, int count, float d, uint8_t* packed) {
   const size_t bytes = static_cast<size_t>(count + 1) / 2;
-  if (!(d > 0.0f) || !isFiniteFloat(d)) {  // nvfp4Encode: every element 0
-    std::memset(packed, 0, bytes);
-    return scale;
-  }
   const __m256 vd = _mm256_set1_ps(d);
   const __m256i c0 = e2m1Codes(_mm256_div_ps(_mm256_castsi256_ps(bits8(x, count)), vd));
   const __m256i c1 = count > 8 ? e2m1Codes(_mm256_div_ps(_mm256_castsi256_ps(bits8(x + 8, count - 8)), vd))
@@ -549,7 +547,49 @@ CROSSBAR_AVX2 uint8_t nvfp4Block(const T* x, int count, float global_scale, uint
                                    _mm_and_si128(_mm_srli_epi16(w, 4), _mm_set1_epi16(0xF0)));
   const uint64_t out = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(nib, nib)));
   std::memcpy(packed, &out, bytes);
+}
+
+template <class T>
+CROSSBAR_AVX2 uint8_t nvfp4Block(const T* x, int count, float global_scale, uint8_t* packed) {
+  const uint8_t scale = nvfp4BlockScale(amaxOf(x, count), global_scale);
+  const float d = nvfp4Divisor(scale, global_scale);
+  if (!(d > 0.0f) || !isFiniteFloat(d))  // nvfp4Encode: every element 0
+    std::memset(packed, 0, static_cast<size_t>(count + 1) / 2);
+  else
+    nvfp4Codes(x, count, d, packed);
   return scale;
+}
+
+CROSSBAR_AVX2 inline __m256 e4m3Values(__m256i q);
+
+// Eight full NVFP4 blocks (128 values) for a global scale g that is finite and > 0: the
+// amaxes, then the eight E4M3 block scales e4m3(amax / (6 g)) (one vdivps, the general E4M3
+// rounding) and divisors e4m3 value * g at once, as nvfp4BlockScale / nvfp4Divisor do one
+// by one, then the codes.
+template <class T>
+CROSSBAR_AVX2 void nvfp4Blocks8(const T* x, float global_scale, uint8_t* packed, uint8_t* scales) {
+  alignas(32) uint32_t amax_bits[8];
+  alignas(32) float divisors[8];
+  for (int k = 0; k < 8; ++k) amax_bits[k] = absMaxBits(x + k * kNvfp4BlockSize, kNvfp4BlockSize);
+  const __m256i bits = _mm256_load_si256(reinterpret_cast<const __m256i*>(amax_bits));
+  const __m256i poisoned = _mm256_cmpgt_epi32(bits, set1(0x7F7FFFFFu));
+  const float den = kE2M1Max * global_scale;
+  __m256i scale = e4m3Codes(_mm256_div_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(den)));
+  scale = _mm256_blendv_epi8(scale, set1(0x7Fu), poisoned);
+  const __m256 d = _mm256_mul_ps(e4m3Values(scale), _mm256_set1_ps(global_scale));
+  _mm256_store_ps(divisors, d);
+  const __m256 usable = _mm256_and_ps(_mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_GT_OQ),
+                                      _mm256_cmp_ps(d, _mm256_castsi256_ps(set1(0x7F800000u)), _CMP_LT_OQ));
+  const int usable_mask = _mm256_movemask_ps(usable);
+  const uint64_t scale_bytes = narrow8(scale);
+  std::memcpy(scales, &scale_bytes, 8);
+  for (int k = 0; k < 8; ++k) {
+    uint8_t* p = packed + k * kNvfp4BlockSize / 2;
+    if (usable_mask >> k & 1)
+      nvfp4Codes(x + k * kNvfp4BlockSize, kNvfp4BlockSize, divisors[k], p);
+    else
+      std::memset(p, 0, kNvfp4BlockSize / 2);  // nvfp4Encode: every element 0
+  }
 }
 
 template <class T>
@@ -576,7 +616,11 @@ CROSSBAR_AVX2 void encodeRow(PayloadCodec codec, const T* x, size_t hidden, uint
     }
     case PayloadCodec::kNvfp4: {
       auto* s = static_cast<uint8_t*>(scales);
-      for (size_t b = 0, i = 0; i < hidden; ++b, i += kNvfp4BlockSize)
+      size_t b = 0, i = 0;
+      if (global_scale > 0.0f && isFiniteFloat(global_scale))
+        for (; i + 8 * kNvfp4BlockSize <= hidden; b += 8, i += 8 * kNvfp4BlockSize)
+          nvfp4Blocks8(x + i, global_scale, payload + i / 2, s + b);
+      for (; i < hidden; ++b, i += kNvfp4BlockSize)
         s[b] = nvfp4Block(x + i, blockCount(hidden, i, kNvfp4BlockSize), global_scale, payload + i / 2);
       return;
     }

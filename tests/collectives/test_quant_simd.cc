@@ -188,7 +188,7 @@ TEST(QuantSimd, EncodeRandomBinary32) {
 }
 
 // Blocks of every kind in every position of the eight-block groups the AVX2 encoder handles
-// at once (their scales and factors computed together): all zero, negative zeros, binary32
+// at once (their scales and factors or divisors computed together): all zero, negative zeros, binary32
 // subnormals only (clamped fp8 scale; MXFP8 scale 0), an amax on either side of where
 // amax / 448 drops below FLT_MIN, NaN, Inf, tiny and huge normals, ordinary values.
 TEST(QuantSimd, EncodeBlockGroupsWithSpecialBlocks) {
@@ -237,7 +237,7 @@ TEST(QuantSimd, EncodeBlockGroupsWithSpecialBlocks) {
       b[1] = kind == 3 ? std::nextafter(clamp_edge, 0.0f) : std::nextafter(clamp_edge, inf);
     return b;
   };
-  for (PayloadCodec c : {PayloadCodec::kFp8Block128, PayloadCodec::kMxfp8}) {
+  for (PayloadCodec c : {PayloadCodec::kFp8Block128, PayloadCodec::kMxfp8, PayloadCodec::kNvfp4}) {
     const size_t bs = static_cast<size_t>(blockSize(c));
     for (size_t hidden : {8 * bs, 16 * bs + 5, 24 * bs + bs / 2}) {
       std::vector<float> x;
@@ -248,10 +248,12 @@ TEST(QuantSimd, EncodeBlockGroupsWithSpecialBlocks) {
           x.insert(x.end(), b.begin(), b.end());
           i += b.size();
         }
-      expectEncodeIdentical(c, x, hidden);
       std::vector<BFloat16> h(x.size());
       for (size_t i = 0; i < x.size(); ++i) h[i] = BFloat16::fromFloat(x[i]);
-      expectEncodeIdentical(c, h, hidden);
+      for (float g : {1.0f, 1e-3f, 1.17549435e-38f}) {  // NVFP4's global scale (the others ignore it)
+        expectEncodeIdentical(c, x, hidden, g);
+        expectEncodeIdentical(c, h, hidden, g);
+      }
     }
   }
 }
