@@ -5,8 +5,10 @@
 //   scalar  portable C++ (the fallback, and the reference the SIMD path is tested against):
 //           encode rounds with lane-parallel selects the compiler vectorizes; decode reads
 //           each element code's value from a table of the shared decoder.
-//   avx2    the same formulas in AVX2 intrinsics (function-level target attribute, chosen at
-//           run time with __builtin_cpu_supports), NVFP4 encode included.
+//   avx2    the same results with AVX2 intrinsics (function-level target attribute, chosen at
+//           run time with __builtin_cpu_supports), NVFP4 encode included; full fp8 / MXFP8
+//           blocks round with one float addition per value and eight blocks' scales are
+//           computed together (host_codec.cc says why the bytes are the same).
 // CROSSBAR_MOE_HOST_CODEC=scalar forces the scalar path (for comparison); auto (default)
 // takes avx2 where the CPU has it.
 //
