@@ -118,6 +118,10 @@ struct RunContext {
   const HierComms* hier = nullptr;  // set when the algorithm needs it
   Scratch* scratch = nullptr;
   SymmCache* symm = nullptr;  // symmetric staging (symm_algorithms.cc), created at first use
+  // The second half of the call check (CallChecker::post / verifyPosted) when the
+  // algorithm runs it itself (Algorithm::verifies_calls): called, once, right before the
+  // first wait for a peer's data; empty once run (or when the check ran before).
+  std::function<void()>* verify_calls = nullptr;
 };
 
 struct Algorithm {
@@ -128,6 +132,10 @@ struct Algorithm {
   std::function<std::string(const CollArgs&, const Communicator&)> applies;
   std::function<void(const CollArgs&, RunContext&)> run;
   bool needs_hier = false;  // needs RunContext::hier
+  // Reads peers' data only after a wait that runs RunContext::verify_calls first (the
+  // one-node staged symmetric algorithms), so the call check's wait for the peers
+  // overlaps this rank's first steps (its own copies) instead of preceding them.
+  bool verifies_calls = false;
 };
 
 // Every registered algorithm (host ones included), in registration order. A deque:

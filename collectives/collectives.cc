@@ -231,10 +231,19 @@ void execute(const Shared& sh, WorkImpl& w, Deadline deadline) {
                               w.issued_ns, static_cast<int64_t>(op.seq), comm->rank());
     // The eager path checks the call in its own slots (eager.h).
     if (op.eager) return sh.eager->run(op.args, op.seq, deadline, w.eager_published);
-    sh.checker->check(comm, op.args, op.seq, deadline);
+    // An algorithm that runs the check's second half itself (before its first read of
+    // peer data) gets it through x.verify_calls; whatever is left runs at the end.
+    std::function<void()> verify;
+    if (op.algo->verifies_calls && !isEmpty(op.args) && sh.checker->post(comm, op.args, op.seq, deadline)) {
+      verify = [&] { sh.checker->verifyPosted(comm, deadline); };
+      x.verify_calls = &verify;
+    } else {
+      sh.checker->check(comm, op.args, op.seq, deadline);
+    }
     if (isEmpty(op.args)) return;
     x.tag = op.tag;
     op.algo->run(op.args, x);
+    if (verify) verify();
     return;
   }
   // A group (or a lone send/recv): post every point-to-point first so they overlap

@@ -362,6 +362,12 @@ void CallChecker::noteSkipped(uint64_t seq) {
 std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Communicator>& comm,
                                                       const CallSignature& mine, uint64_t seq,
                                                       Deadline deadline) {
+  postLocal(comm, mine, seq, deadline);
+  return collectLocal(comm, mine, seq, deadline);
+}
+
+void CallChecker::postLocal(const std::shared_ptr<Communicator>& comm, const CallSignature& mine, uint64_t seq,
+                            Deadline deadline) {
   const int p = comm->size(), r = comm->rank();
   ensureLocal(comm);
   char* own = slots_->local<char>();
@@ -400,6 +406,15 @@ std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Comm
   storeRelease(slot, seq + 1);
   for (int q = 0; q < p; ++q)
     if (q != r) slots_->putSignal(q, 0);
+}
+
+std::vector<CallSignature> CallChecker::collectLocal(const std::shared_ptr<Communicator>& comm,
+                                                     const CallSignature& mine, uint64_t seq,
+                                                     Deadline deadline) {
+  const int p = comm->size(), r = comm->rank();
+  char* own = slots_->local<char>();
+  const bool with_counts = !mine.send_counts.empty();
+  const size_t counts_at = kSlotBytes * (kSlots + 1) + (seq % kSlots) * countsBytes(p);
   std::vector<CallSignature> calls(p);
   calls[r] = mine;
   std::vector<int> eager_ranks;  // peers that published this collective on the eager path
@@ -522,6 +537,24 @@ Mismatch CallChecker::compare(const std::shared_ptr<Communicator>& comm, const C
   if (mode_ == CallCheckMode::kCheap && sameHashEverywhere(*comm, mine, seq, deadline)) return {};
   // Full mode, or cheap mode after a hash mismatch (every rank knows, so every rank is here).
   return findMismatch(exchangeAll(*comm, mine, seq, deadline));
+}
+
+bool CallChecker::post(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq,
+                       Deadline deadline) {
+  if (mode_ != CallCheckMode::kCheap || comm->size() == 1 || comm->numNodes() != 1 ||
+      a.coll == CollType::kSend || a.coll == CollType::kRecv)
+    return false;
+  posted_ = CallSignature::of(a, seq, true);
+  postLocal(comm, posted_, seq, deadline);
+  return true;
+}
+
+void CallChecker::verifyPosted(const std::shared_ptr<Communicator>& comm, Deadline deadline) {
+  Mismatch m = findMismatch(collectLocal(comm, posted_, posted_.seq, deadline));
+  if (!m.message.empty())
+    throw InvalidUsage(fmt::format("{}{} (CROSSBAR_CHECK_CALLS={})", errorContext(comm->rank(), "call check"),
+                                   m.message, callCheckModeName(mode_)),
+                       m.ranks);
 }
 
 void CallChecker::check(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq,

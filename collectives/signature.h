@@ -78,6 +78,13 @@ class CallChecker {
   explicit CallChecker(CallCheckMode mode) : mode_(mode) {}
   CallCheckMode mode() const { return mode_; }
   void check(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq, Deadline deadline);
+  // check() in two halves, for algorithms that read peers' data only after a wait they
+  // announce (RunContext::verify_calls): post() publishes this rank's call (cheap mode,
+  // one node; false where the check cannot be split: call check() instead), and
+  // verifyPosted() waits for every peer's and compares, as check() does, just before
+  // the first read of peer data, so the wait overlaps this rank's own first steps.
+  bool post(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq, Deadline deadline);
+  void verifyPosted(const std::shared_ptr<Communicator>& comm, Deadline deadline);
   // The same exchange, returning the mismatch (empty message: the calls agree) instead of
   // throwing it; still throws Timeout, or InvalidUsage for a malformed peer signature.
   Mismatch compare(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq,
@@ -103,6 +110,11 @@ class CallChecker {
   // Cheap mode within one node; returns every rank's call.
   std::vector<CallSignature> exchangeLocal(const std::shared_ptr<Communicator>& comm,
                                            const CallSignature& mine, uint64_t seq, Deadline deadline);
+  // exchangeLocal's halves: publish this rank's call; wait for and read the peers'.
+  void postLocal(const std::shared_ptr<Communicator>& comm, const CallSignature& mine, uint64_t seq,
+                 Deadline deadline);
+  std::vector<CallSignature> collectLocal(const std::shared_ptr<Communicator>& comm, const CallSignature& mine,
+                                          uint64_t seq, Deadline deadline);
   // Cheap mode across nodes: whether every rank's call hash is the same.
   bool sameHashEverywhere(Communicator& comm, const CallSignature& mine, uint64_t seq, Deadline deadline);
   std::vector<CallSignature> exchangeAll(Communicator& comm, const CallSignature& mine, uint64_t seq,
@@ -114,6 +126,7 @@ class CallChecker {
   symm::SymmetricHeap heap_;  // cheap mode, one node: created at the first check
   std::shared_ptr<symm::SymmetricBuffer> slots_;
   uint64_t local_checks_ = 0;  // signals consumed from each peer so far
+  CallSignature posted_;       // post(): the call verifyPosted() compares
   std::function<void()> after_local_init_;
   PeerProbe peer_probe_;
 };
