@@ -262,6 +262,20 @@ TEST(CallCheck, MismatchesRaiseOnEveryRankCheap) {
   }
 }
 
+// Without the eager path every call takes a staged symmetric algorithm, whose check
+// is split: posted up front, verified before the first read of peer data (or before
+// the staging is created), so the wait overlaps the rank's own copy-in. The verdict and
+// the report must be the same as the up-front check's.
+TEST(CallCheck, MismatchesRaiseOnEveryRankStaged) {
+  RunOptions o;
+  o.env["CROSSBAR_EAGER_BYTES"] = "0";
+  for (int n : {2, 3, 4}) {
+    SCOPED_TRACE(fmt::format("{} ranks", n));
+    runRanks(
+        n, [](RankEnv& env) { mismatchMatrix(env, false); }, o);
+  }
+}
+
 TEST(CallCheck, MismatchesRaiseOnEveryRankFull) {
   RunOptions o;
   o.env["CROSSBAR_CHECK_CALLS"] = "full";
