@@ -411,6 +411,10 @@ void allreduceOneShot(const CollArgs& a, RunContext& x) {
 // Zero copy of the output: a symmetric output's reduced block r is not staged either;
 // peers copy it from r's output after REDUCED (r writes no other byte of block r), and r
 // waits for their FREEs before it returns (the caller may then overwrite the output).
+// That wait costs more than the copy it saves below blocks of 256 KiB per chunk
+// (docs/performance.md, session 7: 2 ranks 256K 59 -> 88 us, 4 ranks 64K 72 -> 132 us).
+constexpr size_t kOutputInPlaceMinBlock = 256 * 1024;
+
 void twoShot(const CollArgs& a, RunContext& x, bool nt) {
   SymmStaging& s = staging(*x.comm, x);
   const int p = s.size(), r = s.rank();
@@ -419,7 +423,7 @@ void twoShot(const CollArgs& a, RunContext& x, bool nt) {
   const size_t K = ceilDiv(n, C);
   const ReduceParams prm = paramsOf(a);
   ZeroCopy z(s, a.send, n * es, es, true);
-  ZeroCopy zout(s, a.recv, n * es, es, true, 1);
+  ZeroCopy zout(s, a.recv, n * es, es, std::min(n, C) * es / p >= kOutputInPlaceMinBlock, 1);
   std::vector<const void*> srcs(p);
   for (size_t k = 0; k < K; ++k) {
     const int h = s.halfOf(k);

@@ -119,8 +119,8 @@ void runPatterns(int ranks, size_t off) {
               };
 
               // Allreduce, every algorithm. One-shot in place stages (it writes its output
-              // while peers read that chunk of its input). Two-shot also reads the reduced
-              // blocks from a symmetric output in place (here: symmetric ranks' outputs are).
+              // while peers read that chunk of its input). (Two-shot's reduced blocks from a
+              // symmetric output: TwoShotOutputInPlace; these chunks are below its threshold.)
               for (const char* algo : {"oneshot", "twoshot", "twoshot_nt"}) {
                 CollOptions o;
                 o.algorithm = algo;
@@ -129,7 +129,7 @@ void runPatterns(int ranks, size_t off) {
                 const int reads =
                     directReads([&] { coll.allreduce(A, out, n, t, ReduceOp::kSum, o)->wait(); });
                 const bool oneshot = std::string(algo) == "oneshot";
-                EXPECT_EQ(reads, oneshot ? (inplace ? 0 : peers_sym) : 2 * peers_sym) << algo;
+                EXPECT_EQ(reads, oneshot && inplace ? 0 : peers_sym) << algo;
                 const T* got = reuse(A, n, out, n);
                 EXPECT_EQ(firstWrong(got, n, [&](size_t i) { return sumOf<T>(p, iter, i); }), -1) << algo;
               }
@@ -241,6 +241,66 @@ TEST(SymmZeroCopy, ThreeRanksEveryPatternU8) {
 
 TEST(SymmZeroCopy, FourRanksEveryPatternU32) {
   runPatterns<uint32_t>(4, 3);
+}
+
+// Two-shot with blocks of at least 256 KiB per chunk also reads a symmetric output's
+// reduced blocks in place: every pattern, in place and out of place, several chunks, the
+// outputs and inputs overwritten at once after each call.
+namespace {
+void runTwoShotOutput(int ranks) {
+  RunOptions opts = smallStaging();
+  opts.env["CROSSBAR_COLL_SYMM_BYTES"] = "4M";
+  opts.env["CROSSBAR_COLL_SYMM_CHUNK"] = "1M";
+  runRanks(
+      ranks,
+      [](RankEnv& env) {
+        auto comm = env.communicator();
+        const int p = comm->size(), r = comm->rank();
+        Collectives coll(comm);
+        auto heap = symm::SymmetricHeap::create(comm);
+        const size_t n = (2 << 20) / 4 + 4099;  // u32: two full 1 MiB chunks and an odd tail
+        const size_t off = 5;                   // elements
+        auto sym_a = heap.allocate((n + off) * 4), sym_b = heap.allocate((n + off) * 4);
+        std::vector<uint32_t> plain_a(n), plain_b(n), copy(n);
+        int iter = 100;
+        for (int pattern = 0; pattern < (1 << p); ++pattern) {
+          for (bool inplace : {false, true}) {
+            for (const char* algo : {"twoshot", "twoshot_nt"}) {
+              ++iter;
+              const bool sym = symmetricIn(pattern, r);
+              int peers_sym = 0;
+              for (int q = 0; q < p; ++q) peers_sym += q != r && symmetricIn(pattern, q);
+              SCOPED_TRACE(fmt::format("{} pattern {} {}", algo, pattern, inplace ? "in place" : "out of place"));
+              uint32_t* A = sym ? sym_a->local<uint32_t>(off * 4) : plain_a.data();
+              uint32_t* out = inplace ? A : sym ? sym_b->local<uint32_t>(off * 4) : plain_b.data();
+              fill(A, n, iter, r);
+              CollOptions o;
+              o.algorithm = algo;
+              const uint64_t before = symmDirectReads();
+              coll.allreduce(A, out, n, DataType::kUInt32, ReduceOp::kSum, o)->wait();
+              EXPECT_EQ(symmDirectReads() - before, 2u * peers_sym);  // input and output of each
+              std::memcpy(copy.data(), out, n * 4);
+              std::memset(A, 0xA5, n * 4);
+              std::memset(out, 0x5A, n * 4);
+              EXPECT_EQ(firstWrong(copy.data(), n, [&](size_t i) { return sumOf<uint32_t>(p, iter, i); }), -1);
+            }
+          }
+        }
+        sym_a->free();
+        sym_b->free();
+        comm->destroy();
+      },
+      opts);
+}
+
+}  // namespace
+
+TEST(SymmZeroCopy, TwoShotOutputInPlaceTwoRanks) {
+  runTwoShotOutput(2);
+}
+
+TEST(SymmZeroCopy, TwoShotOutputInPlaceThreeRanks) {
+  runTwoShotOutput(3);
 }
 
 // Queued nonblocking calls on the same symmetric buffers, each reading what the previous
