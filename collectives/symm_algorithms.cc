@@ -212,6 +212,12 @@ const char* SymmStaging::announced(int owner, int h, size_t bytes, const char* o
 }
 
 void SymmStaging::wait(int peer, int channel, Deadline deadline) {
+  if (pending_check_ && *pending_check_ && channel != kFree && channel != kDone) {
+    // Peer data next: the call check's verdict first (every peer's call compared).
+    auto check = std::move(*pending_check_);
+    *pending_check_ = nullptr;
+    check();
+  }
   const uint64_t want = ++seen_[static_cast<size_t>(channel) * size_ + peer];
   auto reached = [&] { return buf_->signalValue(peer, channel) >= want; };
   telemetry::PeerWait waiting(peer, !reached());  // the op's wait for its peers (telemetry)
@@ -312,6 +318,12 @@ SymmCache::SymmCache() {
   chunk_ = env::getSize("CROSSBAR_COLL_SYMM_CHUNK");
 }
 
+bool SymmCache::has(Communicator& comm) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = states_.find(&comm);
+  return it != states_.end() && it->second;
+}
+
 SymmStaging& SymmCache::get(Communicator& comm) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto& s = states_[&comm];
@@ -333,7 +345,16 @@ void copyOut(void* dst, const void* src, size_t bytes, bool nt) {
 }
 
 SymmStaging& staging(Communicator& c, const RunContext& x) {
-  return x.symm->get(c);
+  // Creating the staging is collective: the call check's verdict comes first (a peer
+  // that called something else would never join the creation).
+  if (x.verify_calls && *x.verify_calls && !x.symm->has(c)) {
+    auto check = std::move(*x.verify_calls);
+    *x.verify_calls = nullptr;
+    check();
+  }
+  SymmStaging& s = x.symm->get(c);
+  s.setPendingCheck(x.verify_calls);
+  return s;
 }
 
 ReduceParams paramsOf(const CollArgs& a) {
@@ -979,6 +1000,8 @@ void registerSymmAlgorithms(std::deque<Algorithm>& out) {
                  std::function<std::string(const CollArgs&, const Communicator&)> applies = singleNode,
                  bool needs_hier = false) {
     out.push_back(Algorithm{coll, name, std::move(summary), std::move(applies), run, needs_hier});
+    // One node, staged: every read of peer data follows a SymmStaging::wait.
+    out.back().verifies_calls = !needs_hier;
   };
   add(CollType::kAllreduce, "oneshot",
       "symmetric memory: stage, every rank reduces all peers' chunks (small)", allreduceOneShot);
@@ -1000,15 +1023,23 @@ void registerSymmAlgorithms(std::deque<Algorithm>& out) {
       alltoallvSymm);
   add(CollType::kGather, "symm", "symmetric memory: ranks stage, root copies out", gatherSymm);
   const char* staged = "; staged symm if CMA is unavailable";
+  // The single-copy ones probe CMA collectively at first use, before any data wait:
+  // they keep the check in front.
   auto cmaSummary = [&](const char* what) {
     return std::string("single copy (process_vm_readv): ") + what + staged;
   };
   add(CollType::kAllgather, "cma", cmaSummary("every rank reads each peer's user buffer"), allgatherCma);
+  out.back().verifies_calls = false;
   add(CollType::kAlltoall, "cma", cmaSummary("every rank reads its block from each peer"), alltoallCma);
+  out.back().verifies_calls = false;
   add(CollType::kAlltoallv, "cma", cmaSummary("every rank reads its block from each peer"), alltoallvCma);
+  out.back().verifies_calls = false;
   add(CollType::kBroadcast, "cma", cmaSummary("every rank reads the root's buffer"), broadcastCma);
+  out.back().verifies_calls = false;
   add(CollType::kGather, "cma", cmaSummary("the root reads every rank's buffer"), gatherCma);
+  out.back().verifies_calls = false;
   add(CollType::kScatter, "cma", cmaSummary("every rank reads its block from the root"), scatterCma);
+  out.back().verifies_calls = false;
 
   add(CollType::kScatter, "symm", "symmetric memory: root stages per-rank slices, ranks copy out",
       scatterSymm);

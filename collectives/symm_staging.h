@@ -86,6 +86,9 @@ class SymmStaging {
   // more ranks than cores the peer may be waiting for this very core), then the
   // symmetric buffer's blocking wait (futex, deadline, peer-failure checks).
   void wait(int peer, int channel, Deadline deadline);
+  // This operation's pending call check (RunContext::verify_calls, may be null): run by
+  // the first wait for peer data (READY, REDUCED, ADDR), before it returns.
+  void setPendingCheck(std::function<void()>* check) { pending_check_ = check; }
   void release(int owner) { buf_->putSignal(owner, kFree); }
 
   // Copies into this rank's half(s) for peers to read: plain or streaming stores,
@@ -162,6 +165,7 @@ class SymmStaging {
   double stage_plain_ns_ = 0, stage_stream_ns_ = 0;  // recent ns per KiB of stageCopy (0: not yet)
   uint64_t stage_copies_ = 0;
   uint64_t token_ = 0;         // read by peers in the probe
+  std::function<void()>* pending_check_ = nullptr;
 };
 
 // Zero copy of one operation's input, on every rank (symm_staging.h top): this rank as an
@@ -206,6 +210,7 @@ class SymmCache {
   SymmCache();
   size_t bytes() const { return bytes_; }  // CROSSBAR_COLL_SYMM_BYTES (0: disabled)
   SymmStaging& get(Communicator& comm);
+  bool has(Communicator& comm);  // get() would not create it (creating is collective)
 
  private:
   size_t bytes_ = 0, chunk_ = 0;
