@@ -211,13 +211,17 @@ const char* SymmStaging::announced(int owner, int h, size_t bytes, const char* o
   return b->peer<const char>(owner, e.offset);
 }
 
-void SymmStaging::wait(int peer, int channel, Deadline deadline) {
-  if (pending_check_ && *pending_check_ && channel != kFree && channel != kDone) {
-    // Peer data next: the call check's verdict first (every peer's call compared).
+void SymmStaging::runPendingCheck() {
+  if (pending_check_ && *pending_check_) {
     auto check = std::move(*pending_check_);
     *pending_check_ = nullptr;
     check();
   }
+}
+
+void SymmStaging::wait(int peer, int channel, Deadline deadline) {
+  // Peer data next: the call check's verdict first (every peer's call compared).
+  if (channel != kFree && channel != kDone) runPendingCheck();
   const uint64_t want = ++seen_[static_cast<size_t>(channel) * size_ + peer];
   auto reached = [&] { return buf_->signalValue(peer, channel) >= want; };
   telemetry::PeerWait waiting(peer, !reached());  // the op's wait for its peers (telemetry)

@@ -73,8 +73,12 @@ class SymmStaging {
 
   // Waits until every reader of this rank's half h has released it.
   void acquire(int h, Deadline deadline);
-  // Waits until every reader has released everything this rank published to it.
+  // Waits until every reader has released everything this rank published to it. A zero
+  // copy owner may wait here without ever waiting for peer data (broadcast's root, a
+  // reduce's non-root): the call check's verdict first, so a peer that called something
+  // else is reported as a mismatch, not waited for until the deadline.
   void acquireAll(Deadline deadline) {
+    runPendingCheck();
     acquire(0, deadline);
     acquire(1, deadline);
   }
@@ -89,6 +93,7 @@ class SymmStaging {
   // This operation's pending call check (RunContext::verify_calls, may be null): run by
   // the first wait for peer data (READY, REDUCED, ADDR), before it returns.
   void setPendingCheck(std::function<void()>* check) { pending_check_ = check; }
+  void runPendingCheck();
   void release(int owner) { buf_->putSignal(owner, kFree); }
 
   // Copies into this rank's half(s) for peers to read: plain or streaming stores,
