@@ -220,10 +220,11 @@ void SymmStaging::runPendingCheck() {
 }
 
 void SymmStaging::wait(int peer, int channel, Deadline deadline) {
-  // Peer data next: the call check's verdict first (every peer's call compared).
-  if (channel != kFree && channel != kDone) runPendingCheck();
   const uint64_t want = ++seen_[static_cast<size_t>(channel) * size_ + peer];
   auto reached = [&] { return buf_->signalValue(peer, channel) >= want; };
+  // Peer data next, or a release that is not there yet (a peer that called something
+  // else never sends it): the call check's verdict first (every peer's call compared).
+  if ((channel != kFree && channel != kDone) || !reached()) runPendingCheck();
   telemetry::PeerWait waiting(peer, !reached());  // the op's wait for its peers (telemetry)
   if (!reached()) {
     // A pause costs ~33 ns on this EPYC VM: with more ranks than cores, 256 of them

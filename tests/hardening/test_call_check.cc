@@ -269,10 +269,31 @@ TEST(CallCheck, MismatchesRaiseOnEveryRankCheap) {
 TEST(CallCheck, MismatchesRaiseOnEveryRankStaged) {
   RunOptions o;
   o.env["CROSSBAR_EAGER_BYTES"] = "0";
+  o.env["CROSSBAR_COLL_SYMM_CHUNK"] = "64K";
   for (int n : {2, 3, 4}) {
     SCOPED_TRACE(fmt::format("{} ranks", n));
     runRanks(
-        n, [](RankEnv& env) { mismatchMatrix(env, false); }, o);
+        n,
+        [](RankEnv& env) {
+          // A broadcast of many chunks: the root reuses its staging halves and waits
+          // for the readers' releases before it ever waits for peer data; a reader that
+          // called something else never releases, so the root must get the verdict
+          // first, not wait for the release until the deadline. (After a matching call:
+          // the first staged call of a Collectives gets the verdict before it creates
+          // the staging.)
+          auto comm = env.communicator();
+          const int me = comm->rank(), odd = comm->size() - 1;
+          std::vector<int32_t> big(1 << 18, 7);
+          expectMismatch(
+              env, "chunks",
+              [&](Collectives& c) {
+                c.broadcast(big.data(), 1 << 14, i32, 0)->wait();
+                return c.broadcast(big.data(), me == odd ? (1 << 17) : (1 << 18), i32, 0);
+              },
+              {"count 131072 vs 262144"}, {odd});
+          mismatchMatrix(env, false);
+        },
+        o);
   }
 }
 
