@@ -124,6 +124,15 @@ struct RunContext {
   std::function<void()>* verify_calls = nullptr;
 };
 
+// Runs a pending call check (RunContext::verify_calls) if it has not run yet; once.
+inline void runPendingCallCheck(std::function<void()>* check) {
+  if (check && *check) {
+    auto run = std::move(*check);
+    *check = nullptr;
+    run();
+  }
+}
+
 struct Algorithm {
   CollType coll;
   std::string name;

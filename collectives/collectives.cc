@@ -106,47 +106,6 @@ std::exception_ptr withPrefix(const std::exception_ptr& e, const std::string& pr
   }
 }
 
-// The bytes an eager call reads from the caller (what publishing copies into its slot)
-// and writes for the caller.
-struct ByteRange {
-  const char* begin = nullptr;
-  size_t bytes = 0;
-  bool overlaps(const ByteRange& o) const {
-    return bytes && o.bytes && begin < o.begin + o.bytes && o.begin < begin + bytes;
-  }
-};
-
-ByteRange eagerInput(const CollArgs& a, int p) {
-  const size_t blk = a.count * elementSize(a.type);
-  switch (a.coll) {
-    case CollType::kAllreduce:
-    case CollType::kAllgather:
-      return {static_cast<const char*>(a.send), blk};
-    case CollType::kReduceScatter:
-    case CollType::kAlltoall:
-      return {static_cast<const char*>(a.send), blk * p};
-    case CollType::kBroadcast:
-      return {static_cast<const char*>(a.recv), blk};  // the root's (others read nothing)
-    default:
-      return {};
-  }
-}
-
-ByteRange eagerOutput(const CollArgs& a, int p) {
-  const size_t blk = a.count * elementSize(a.type);
-  switch (a.coll) {
-    case CollType::kAllreduce:
-    case CollType::kReduceScatter:
-    case CollType::kBroadcast:
-      return {static_cast<const char*>(a.recv), blk};
-    case CollType::kAllgather:
-    case CollType::kAlltoall:
-      return {static_cast<const char*>(a.recv), blk * p};
-    default:
-      return {};
-  }
-}
-
 // One planned operation: validated, its algorithm selected and numbered by the issuing
 // thread (so every rank agrees), executed later by whichever thread runs it.
 struct Planned {
@@ -243,7 +202,7 @@ void execute(const Shared& sh, WorkImpl& w, Deadline deadline) {
     if (isEmpty(op.args)) return;
     x.tag = op.tag;
     op.algo->run(op.args, x);
-    if (verify) verify();
+    runPendingCallCheck(&verify);  // the algorithm never waited for peer data
     return;
   }
   // A group (or a lone send/recv): post every point-to-point first so they overlap

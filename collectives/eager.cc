@@ -77,6 +77,37 @@ size_t eagerMaxBytes() {
   return limit;
 }
 
+ByteRange eagerInput(const CollArgs& a, int ranks) {
+  const size_t blk = a.count * elementSize(a.type);
+  switch (a.coll) {
+    case CollType::kAllreduce:
+    case CollType::kAllgather:
+      return {static_cast<const char*>(a.send), blk};
+    case CollType::kReduceScatter:
+    case CollType::kAlltoall:
+      return {static_cast<const char*>(a.send), blk * ranks};
+    case CollType::kBroadcast:
+      return {static_cast<const char*>(a.recv), blk};
+    default:
+      return {};
+  }
+}
+
+ByteRange eagerOutput(const CollArgs& a, int ranks) {
+  const size_t blk = a.count * elementSize(a.type);
+  switch (a.coll) {
+    case CollType::kAllreduce:
+    case CollType::kReduceScatter:
+    case CollType::kBroadcast:
+      return {static_cast<const char*>(a.recv), blk};
+    case CollType::kAllgather:
+    case CollType::kAlltoall:
+      return {static_cast<const char*>(a.recv), blk * ranks};
+    default:
+      return {};
+  }
+}
+
 bool isEagerAlgorithm(const Algorithm* a) {
   return a && a->name == "eager";
 }
@@ -332,25 +363,10 @@ bool EagerChannel::tryPublish(const CollArgs& a, uint64_t seq) {
 
 void EagerChannel::publish(const CollArgs& a, uint64_t seq) {
   const int p = size_, r = rank_;
-  const size_t blk = a.count * elementSize(a.type);
   const CallSignature mine = CallSignature::of(a, seq, false);
   Header* own = header(r, seq);
-  char* data = payload(r, seq);
-  switch (a.coll) {
-    case CollType::kAllreduce:
-    case CollType::kAllgather:
-      if (blk) std::memcpy(data, a.send, blk);
-      break;
-    case CollType::kReduceScatter:
-    case CollType::kAlltoall:
-      if (blk) std::memcpy(data, a.send, blk * p);
-      break;
-    case CollType::kBroadcast:
-      if (r == a.root && blk) std::memcpy(data, a.recv, blk);
-      break;
-    default:
-      break;
-  }
+  const ByteRange in = eagerInput(a, p);
+  if (in.bytes && (a.coll != CollType::kBroadcast || r == a.root)) std::memcpy(payload(r, seq), in.begin, in.bytes);
   own->coll = mine.coll;
   own->type = mine.type;
   own->op = mine.op;

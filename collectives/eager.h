@@ -58,6 +58,19 @@ void registerEagerAlgorithms(std::deque<Algorithm>& out);
 bool eagerFits(const CollArgs& a, const Communicator& comm);
 bool isEagerAlgorithm(const Algorithm* a);
 
+// The bytes an eager call reads from the caller when it publishes (this rank's input;
+// a broadcast's non-root publishes nothing, its range is still the buffer) and the bytes
+// it writes for the caller when it completes.
+struct ByteRange {
+  const char* begin = nullptr;
+  size_t bytes = 0;
+  bool overlaps(const ByteRange& o) const {
+    return bytes && o.bytes && begin < o.begin + o.bytes && o.begin < begin + bytes;
+  }
+};
+ByteRange eagerInput(const CollArgs& a, int ranks);
+ByteRange eagerOutput(const CollArgs& a, int ranks);
+
 class EagerChannel {
   static constexpr size_t kLine = 64;         // a slot's header starts a cache line
   static constexpr size_t kHeaderBytes = 40;  // sizeof(Header); the payload follows in its line

@@ -359,6 +359,12 @@ void CallChecker::noteSkipped(uint64_t seq) {
   if (slots_) storeRelease(slots_->local<char>(), seq + 1);
 }
 
+void CallChecker::throwMismatch(int rank, const Mismatch& m) const {
+  throw InvalidUsage(fmt::format("{}{} (CROSSBAR_CHECK_CALLS={})", errorContext(rank, "call check"), m.message,
+                                 callCheckModeName(mode_)),
+                     m.ranks);
+}
+
 std::vector<CallSignature> CallChecker::exchangeLocal(const std::shared_ptr<Communicator>& comm,
                                                       const CallSignature& mine, uint64_t seq,
                                                       Deadline deadline) {
@@ -490,9 +496,7 @@ std::vector<CallSignature> CallChecker::collectLocal(const std::shared_ptr<Commu
           "(do CROSSBAR_EAGER_BYTES, CROSSBAR_ALGO and CollOptions.algorithm agree on every rank?)",
           mine.describe(), fmt::join(eager_ranks, ","));
     }
-    throw InvalidUsage(fmt::format("{}{} (CROSSBAR_CHECK_CALLS={})", errorContext(r, "call check"), m.message,
-                                   callCheckModeName(mode_)),
-                       m.ranks);
+    throwMismatch(r, m);
   }
   storeRelease(own, seq + 1);  // progress: peers may reuse this check's slots
   ++local_checks_;
@@ -552,18 +556,14 @@ bool CallChecker::post(const std::shared_ptr<Communicator>& comm, const CollArgs
 void CallChecker::verifyPosted(const std::shared_ptr<Communicator>& comm, Deadline deadline) {
   Mismatch m = findMismatch(collectLocal(comm, posted_, posted_.seq, deadline));
   if (!m.message.empty())
-    throw InvalidUsage(fmt::format("{}{} (CROSSBAR_CHECK_CALLS={})", errorContext(comm->rank(), "call check"),
-                                   m.message, callCheckModeName(mode_)),
-                       m.ranks);
+    throwMismatch(comm->rank(), m);
 }
 
 void CallChecker::check(const std::shared_ptr<Communicator>& comm, const CollArgs& a, uint64_t seq,
                         Deadline deadline) {
   Mismatch m = compare(comm, a, seq, deadline);
   if (!m.message.empty())
-    throw InvalidUsage(fmt::format("{}{} (CROSSBAR_CHECK_CALLS={})", errorContext(comm->rank(), "call check"),
-                                   m.message, callCheckModeName(mode_)),
-                       m.ranks);
+    throwMismatch(comm->rank(), m);
 }
 
 int64_t EnqueueCallCheck::beforeEnqueue(const std::shared_ptr<Communicator>& comm, const CollArgs& a,

@@ -119,6 +119,7 @@ class CallChecker {
   bool sameHashEverywhere(Communicator& comm, const CallSignature& mine, uint64_t seq, Deadline deadline);
   std::vector<CallSignature> exchangeAll(Communicator& comm, const CallSignature& mine, uint64_t seq,
                                          Deadline deadline);
+  [[noreturn]] void throwMismatch(int rank, const Mismatch& m) const;  // InvalidUsage with the report
   CallCheckMode mode_;
   uint64_t round_out_[2] = {0, 0}, round_in_[2] = {0, 0};
   std::vector<uint8_t> out_;

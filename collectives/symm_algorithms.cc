@@ -212,11 +212,7 @@ const char* SymmStaging::announced(int owner, int h, size_t bytes, const char* o
 }
 
 void SymmStaging::runPendingCheck() {
-  if (pending_check_ && *pending_check_) {
-    auto check = std::move(*pending_check_);
-    *pending_check_ = nullptr;
-    check();
-  }
+  runPendingCallCheck(pending_check_);
 }
 
 void SymmStaging::wait(int peer, int channel, Deadline deadline) {
@@ -352,11 +348,7 @@ void copyOut(void* dst, const void* src, size_t bytes, bool nt) {
 SymmStaging& staging(Communicator& c, const RunContext& x) {
   // Creating the staging is collective: the call check's verdict comes first (a peer
   // that called something else would never join the creation).
-  if (x.verify_calls && *x.verify_calls && !x.symm->has(c)) {
-    auto check = std::move(*x.verify_calls);
-    *x.verify_calls = nullptr;
-    check();
-  }
+  if (x.verify_calls && *x.verify_calls && !x.symm->has(c)) runPendingCallCheck(x.verify_calls);
   SymmStaging& s = x.symm->get(c);
   s.setPendingCheck(x.verify_calls);
   return s;
