@@ -1,16 +1,18 @@
-// Zero copy-in for every host symmetric-memory algorithm beyond allgather/alltoall
-// (test_symm_direct.cc): allreduce oneshot / twoshot / twoshot_nt, reduce_scatter, reduce,
-// broadcast, gather, scatter and alltoallv read an owner's input in place when it lies in
-// a symmetric buffer allocated over the same communicator (ZeroCopy, symm_staging.h).
-// Checks, with data from (iter, rank, index) and exact (wrapping integer) sums: every
-// pattern of symmetric / plain ranks, in place and out of place, odd sizes and several
-// chunks, offsets that are not cache-line multiples, u8 and u32; that exactly the
+// Zero copy-in for every host symmetric-memory algorithm: allreduce oneshot / twoshot /
+// twoshot_nt, reduce_scatter, reduce, broadcast, gather, scatter, allgather, alltoall and
+// alltoallv read an owner's input in place when it lies in a symmetric buffer allocated
+// over the same communicator (ZeroCopy, symm_staging.h), and stage it otherwise, decided
+// per owner. Checks, with data from (iter, rank, index) and exact (wrapping integer) sums:
+// every pattern of symmetric / plain ranks, in place and out of place, odd sizes and
+// several chunks, offsets that are not cache-line multiples, u8 and u32; that exactly the
 // symmetric owners' inputs were read in place (symmDirectReads); inputs overwritten as
-// soon as the call returns; many queued nonblocking calls on the same symmetric buffers
-// (a peer still reading an input the next call overwrites shows up in the data); and the
-// fallbacks (another communicator's heap, partly inside a buffer, misaligned, disallowed).
+// soon as the call returns (also with a lagging rank); many queued nonblocking calls on
+// the same symmetric buffers (a peer still reading an input the next call overwrites shows
+// up in the data); the fallbacks (another communicator's heap, partly inside a buffer,
+// misaligned, disallowed); and that freed buffers leave the lookup.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <vector>
@@ -193,6 +195,31 @@ void runPatterns(int ranks, size_t off) {
                 EXPECT_EQ(firstWrong(got, n, [&](size_t i) { return static_cast<T>(valueOf(iter, root, r * n + i)); }),
                           -1)
                     << "scatter";
+              }
+              // Allgather: in place is the rank's own block of the output.
+              {
+                T* in = inplace ? B + r * n : A;
+                fill(in, n, iter, r);
+                const int reads = directReads([&] { coll.allgather(in, B, n, t, o)->wait(); });
+                EXPECT_EQ(reads, peers_sym) << "allgather";
+                const T* got = reuse(in, n, B, n * p);
+                for (int q = 0; q < p; ++q)
+                  EXPECT_EQ(firstWrong(got + q * n, n, [&](size_t i) { return static_cast<T>(valueOf(iter, q, i)); }),
+                            -1)
+                      << "allgather block " << q;
+              }
+              // Alltoall: in place never reads the input in place (the owner overwrites it).
+              {
+                fill(A, n * p, iter, r);
+                T* out = inplace ? A : B;
+                const int reads = directReads([&] { coll.alltoall(A, out, n, t, o)->wait(); });
+                EXPECT_EQ(reads, inplace ? 0 : peers_sym) << "alltoall";
+                const T* got = reuse(A, n * p, out, n * p);
+                for (int q = 0; q < p; ++q)
+                  EXPECT_EQ(firstWrong(got + q * n, n,
+                                       [&](size_t i) { return static_cast<T>(valueOf(iter, q, r * n + i)); }),
+                            -1)
+                      << "alltoall block " << q;
               }
               // Alltoallv, variable counts with gaps; in place stages (from a copy).
               {
@@ -383,6 +410,45 @@ TEST(SymmZeroCopy, BackToBackNonblockingOnSameBuffers) {
       smallStaging());
 }
 
+// Large blocks, a lagging rank by turns, every rank symmetric: an owner returning before
+// its readers finished would see its 0xA5 overwrite (or the next iteration's bytes) in
+// their output.
+TEST(SymmZeroCopy, InputReusableRightAfterCompletion) {
+  runRanks(
+      3,
+      [](RankEnv& env) {
+        auto comm = env.communicator();
+        const int p = comm->size(), r = comm->rank();
+        Collectives coll(comm);
+        CollOptions o;
+        o.algorithm = "symm";
+        auto heap = symm::SymmetricHeap::create(comm);
+        const size_t n = 1 << 18;  // u32 elements per block: 1 MiB
+        auto send_buf = heap.allocate(n * p * 4);
+        uint32_t* send = send_buf->local<uint32_t>();
+        std::vector<uint32_t> recv(n * p);
+        const uint64_t start = symmDirectReads();
+        for (int iter = 0; iter < 8; ++iter) {
+          if (r == iter % p) usleep(2000);
+          fill(send, n * p, iter, r);
+          const bool gather = iter % 2 == 0;
+          if (gather)
+            coll.allgather(send, recv.data(), n, DataType::kUInt32, o)->wait();
+          else
+            coll.alltoall(send, recv.data(), n, DataType::kUInt32, o)->wait();
+          std::memset(send, 0xA5, n * p * 4);  // reuse at once
+          const size_t first = gather ? 0 : r * n;
+          for (int q = 0; q < p; ++q)
+            EXPECT_EQ(firstWrong(recv.data() + q * n, n, [&](size_t i) { return valueOf(iter, q, first + i); }), -1)
+                << "iter " << iter << " block " << q;
+        }
+        EXPECT_EQ(symmDirectReads() - start, 8u * (p - 1));
+        send_buf->free();
+        comm->destroy();
+      },
+      smallStaging());
+}
+
 // A heap over another communicator (a dup) is not read in place: staged, still right.
 TEST(SymmZeroCopy, OtherCommunicatorsHeapIsStaged) {
   runRanks(
@@ -413,6 +479,10 @@ TEST(SymmZeroCopy, OtherCommunicatorsHeapIsStaged) {
         if (r == 0) fill(A, n, 5, 0);
         coll.broadcast(A, n, DataType::kUInt32, 0, o)->wait();
         EXPECT_EQ(firstWrong(A, n, [&](size_t i) { return valueOf(5, 0, i); }), -1);
+        fill(A, n, 6, r);
+        coll.allgather(A, B, n, DataType::kUInt32, o)->wait();
+        for (int q = 0; q < p; ++q)
+          EXPECT_EQ(firstWrong(B + q * n, n, [&](size_t i) { return valueOf(6, q, i); }), -1) << "allgather " << q;
         EXPECT_EQ(symmDirectReads(), before);
         a->free();
         b->free();
@@ -442,6 +512,28 @@ TEST(SymmZeroCopy, DirectOnlyWhollyInsideAlignedAndAllowed) {
         std::vector<char> plain(64);
         EXPECT_FALSE(ZeroCopy(s, plain.data(), 64, 1, true).direct());
         buf->free();
+        comm->destroy();
+      },
+      smallStaging());
+}
+
+// A freed buffer leaves the lookup: its (reused) address range is staged again.
+TEST(SymmZeroCopy, RegistryForgetsFreedBuffers) {
+  runRanks(
+      1,
+      [](RankEnv& env) {
+        auto comm = env.communicator();
+        auto heap = symm::SymmetricHeap::create(comm);
+        auto buf = heap.allocate(1000);
+        auto found = symm::findBuffer(buf->local<char>(10), 990);
+        EXPECT_EQ(found.buffer, buf);
+        EXPECT_EQ(found.offset, 10u);
+        EXPECT_EQ(symm::findBuffer(buf->local<char>(10), 991).buffer, nullptr);  // past the end
+        EXPECT_EQ(symm::findBuffer(heap.id(), buf->id()), buf);
+        EXPECT_TRUE(buf->createdOver(*comm));
+        const void* p = buf->localPtr();
+        buf->free();
+        EXPECT_EQ(symm::findBuffer(p, 1).buffer, nullptr);
         comm->destroy();
       },
       smallStaging());
