@@ -366,7 +366,18 @@ void EagerChannel::publish(const CollArgs& a, uint64_t seq) {
   const CallSignature mine = CallSignature::of(a, seq, false);
   Header* own = header(r, seq);
   const ByteRange in = eagerInput(a, p);
-  if (in.bytes && (a.coll != CollType::kBroadcast || r == a.root)) std::memcpy(payload(r, seq), in.begin, in.bytes);
+  if (in.bytes && (a.coll != CollType::kBroadcast || r == a.root)) {
+    // An alltoall's or reduce_scatter's own block is read by this rank only, straight
+    // from its input when it completes: not published.
+    size_t own_from = in.bytes, own_to = in.bytes;
+    if (a.coll == CollType::kAlltoall || a.coll == CollType::kReduceScatter) {
+      own_from = r * (in.bytes / p);
+      own_to = own_from + in.bytes / p;
+    }
+    char* dst = payload(r, seq);
+    if (own_from) std::memcpy(dst, in.begin, own_from);
+    if (own_to < in.bytes) std::memcpy(dst + own_to, in.begin + own_to, in.bytes - own_to);
+  }
   own->coll = mine.coll;
   own->type = mine.type;
   own->op = mine.op;
@@ -425,9 +436,10 @@ void EagerChannel::complete(const CollArgs& a, uint64_t seq, Deadline deadline) 
                        m.ranks);
   }
 
-  // Data: straight out of the peers' slots (own contribution from the own slot, so
-  // in-place calls read nothing they overwrite; reductions combine in rank order, so
-  // every rank's result is bit-identical).
+  // Data: straight out of the peers' slots (own contribution from the own slot, or for
+  // alltoall / reduce_scatter from the input, so in-place calls read nothing they have
+  // overwritten; reductions combine in rank order, so every rank's result is
+  // bit-identical).
   ReduceParams prm;
   prm.preMulScalar = a.premul_scalar;
   switch (a.coll) {
@@ -440,6 +452,7 @@ void EagerChannel::complete(const CollArgs& a, uint64_t seq, Deadline deadline) 
     case CollType::kReduceScatter:
       if (n) {
         for (int q = 0; q < p; ++q) srcs_[q] = payload(q, seq) + r * blk;
+        srcs_[r] = static_cast<const char*>(a.send) + r * blk;  // not published; may be recv
         reduce(a.recv, srcs_.data(), p, n, a.type, a.op, prm);
       }
       break;
@@ -447,7 +460,13 @@ void EagerChannel::complete(const CollArgs& a, uint64_t seq, Deadline deadline) 
       for (int q = 0; q < p && blk; ++q) std::memcpy(cp(a.recv) + q * blk, payload(q, seq), blk);
       break;
     case CollType::kAlltoall:
-      for (int q = 0; q < p && blk; ++q) std::memcpy(cp(a.recv) + q * blk, payload(q, seq) + r * blk, blk);
+      for (int q = 0; q < p && blk; ++q) {
+        char* out = cp(a.recv) + q * blk;
+        if (q != r)
+          std::memcpy(out, payload(q, seq) + r * blk, blk);
+        else if (out != static_cast<const char*>(a.send) + r * blk)  // in place: already there
+          std::memcpy(out, static_cast<const char*>(a.send) + r * blk, blk);
+      }
       break;
     case CollType::kBroadcast:
       if (r != a.root && blk) std::memcpy(a.recv, payload(a.root, seq), blk);

@@ -58,8 +58,9 @@ void registerEagerAlgorithms(std::deque<Algorithm>& out);
 bool eagerFits(const CollArgs& a, const Communicator& comm);
 bool isEagerAlgorithm(const Algorithm* a);
 
-// The bytes an eager call reads from the caller when it publishes (this rank's input;
-// a broadcast's non-root publishes nothing, its range is still the buffer) and the bytes
+// The bytes an eager call reads from the caller (this rank's input, when it publishes;
+// an alltoall's or reduce_scatter's own block when it completes; a broadcast's non-root
+// publishes nothing, its range is still the buffer) and the bytes
 // it writes for the caller when it completes.
 struct ByteRange {
   const char* begin = nullptr;
