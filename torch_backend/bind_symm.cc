@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -25,6 +26,7 @@
 
 #include "collectives/symm_staging.h"
 #include "comm/errors.h"
+#include "symmem/cuda/device_handle.h"  // plain C++: the struct's layout is reported in every build
 #include "symmem/symmetric_heap.h"
 #include "torch_backend/backend.h"
 #include "torch_backend/withdraw.h"
@@ -53,6 +55,11 @@ struct SymmAllocation {
   int device = -1;                 // CUDA device of the buffer, -1: host memory
   std::vector<std::string> hosts;  // by rank, for errors
   Millis timeout{0};               // the communicator's: default deadline of waits
+  // rendezvous()'s pointer tables (buffer_ptrs, signal_pad_ptrs) by byte offset of the tensor
+  // into the allocation: built once (on the buffer's device for CUDA) and reused, so a kernel
+  // may keep the device address for as long as the tensor lives.
+  std::mutex tables_mutex;
+  std::map<size_t, std::pair<at::Tensor, at::Tensor>> pointer_tables;
 };
 
 void deleteAllocation(void* ctx) {
@@ -321,6 +328,15 @@ cudaStream_t currentStream(int device) {
   return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
 }
 
+// Every rank signals every other on `channel` after the stream's earlier work (with a memory
+// barrier), then the stream waits for everyone's signal: later work sees all earlier writes.
+void streamBarrier(symm::SymmetricBuffer& b, int channel, cudaStream_t stream) {
+  for (int p = 0; p < b.worldSize(); ++p)
+    if (p != b.rank()) cuda::streamPutSignal(b, p, channel, stream);
+  for (int p = 0; p < b.worldSize(); ++p)
+    if (p != b.rank()) cuda::streamWaitSignal(b, p, channel, stream);
+}
+
 void requireNoTimeout(const SymmAllocation& a, std::optional<double> timeout_s, const char* op) {
   if (timeout_s)
     throw InvalidArgument(rankText(a) + ": crossbar.symm." + op +
@@ -343,11 +359,7 @@ void barrier(const py::object& backend, std::optional<double> timeout_s, int dev
     HeapEntry& e = heapOf(comm, device);
     // Every rank signals every other after the stream's earlier work (with a memory barrier),
     // then the stream waits for everyone's signal: later work sees all earlier writes.
-    symm::SymmetricBuffer& b = *e.barrier;
-    for (int p = 0; p < b.worldSize(); ++p)
-      if (p != b.rank()) cuda::streamPutSignal(b, p, 0, stream);
-    for (int p = 0; p < b.worldSize(); ++p)
-      if (p != b.rank()) cuda::streamWaitSignal(b, p, 0, stream);
+    streamBarrier(*e.barrier, 0, stream);
     return;
   }
 #else
@@ -390,6 +402,168 @@ void waitSignal(const at::Tensor& t, int peer, int channel, std::optional<double
   const Deadline d = deadlineOf(*a, timeout_s);
   py::gil_scoped_release release;
   a->buffer->waitSignal(peer, channel, d);
+}
+
+// ---- rendezvous(): the addresses a user kernel needs (crossbar.symm.SymmHandle) -------------
+
+// Byte offset of `t`'s first element from the start of its allocation: the same in every
+// rank's mapping (a peer view's storage starts at that peer's mapping).
+size_t byteOffsetOf(const at::Tensor& t) {
+  return static_cast<size_t>(t.storage_offset()) * t.element_size();
+}
+
+void checkChannel(const SymmAllocation& a, int channel, const char* op) {
+  if (channel < 0 || channel >= a.buffer->channels())
+    throw InvalidArgument(rankText(a) + ": crossbar.symm." + op + ": channel " + std::to_string(channel) +
+                          " is out of range: the buffer has " + std::to_string(a.buffer->channels()) +
+                          " channels (CROSSBAR_SYMMEM_CHANNELS)");
+}
+
+// The pointer tables of `a` at byte `offset` (cached): int64 CPU tensors for host memory,
+// uint64 tensors on the buffer's GPU for CUDA memory (copied synchronously, so a kernel on any
+// stream may read them once this returns).
+std::pair<at::Tensor, at::Tensor> pointerTables(SymmAllocation& a, size_t offset, const std::vector<uint64_t>& bufs,
+                                                const std::vector<uint64_t>& pads) {
+  std::lock_guard<std::mutex> lock(a.tables_mutex);
+  auto it = a.pointer_tables.find(offset);
+  if (it != a.pointer_tables.end()) return it->second;
+  auto table = [&](const std::vector<uint64_t>& v) {
+    at::Tensor host = at::empty({static_cast<int64_t>(v.size())},
+                                at::TensorOptions().dtype(a.device < 0 ? at::kLong : at::kUInt64));
+    std::memcpy(host.data_ptr(), v.data(), v.size() * sizeof(uint64_t));
+    if (a.device < 0) return host;
+    return host.to(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(a.device)));
+  };
+  return a.pointer_tables.emplace(offset, std::make_pair(table(bufs), table(pads))).first->second;
+}
+
+// What crossbar.symm.rendezvous(t) returns, as a dict: every rank's address of t's first
+// element, every rank's signal pad, and the tables of both.
+py::dict handleInfo(const at::Tensor& t, const py::object& backend) {
+  auto a = allocationOf(t, "rendezvous");
+  const symm::SymmetricBuffer& b = *a->buffer;
+  if (!backend.is_none() && !b.createdOver(*communicatorOf(backend)))
+    throw InvalidArgument(rankText(*a) +
+                          ": crossbar.symm.rendezvous: the tensor was allocated on another group than the one "
+                          "given; pass the group given to crossbar.symm.empty (or group=None)");
+  const size_t nbytes = static_cast<size_t>(t.storage().nbytes());
+  const size_t offset = byteOffsetOf(t);
+  const int n = b.worldSize();
+  std::vector<uint64_t> bufs(static_cast<size_t>(n), 0), pads(static_cast<size_t>(n), 0);
+  for (int p = 0; p < n; ++p)
+    if (auto* base = static_cast<char*>(b.peerPtr(p))) {  // 0 for ranks on other nodes: not mapped
+      bufs[static_cast<size_t>(p)] = reinterpret_cast<uintptr_t>(base + offset);
+      pads[static_cast<size_t>(p)] = reinterpret_cast<uintptr_t>(base + b.signalPadOffset());
+    }
+  auto [buf_table, pad_table] = pointerTables(*a, offset, bufs, pads);
+  py::dict d;
+  d["rank"] = b.rank();
+  d["world_size"] = n;
+  d["device"] = a->device;
+  d["offset"] = offset;
+  d["buffer_size"] = nbytes > offset ? nbytes - offset : 0;
+  d["buffer_ptrs"] = bufs;
+  d["signal_pad_ptrs"] = pads;
+  d["buffer_ptrs_table"] = buf_table;
+  d["signal_pad_ptrs_table"] = pad_table;
+  d["channels"] = b.channels();
+  d["signal_slot_bytes"] = symm::SymmetricBuffer::kSignalSlotBytes;
+  // The user channels only: the heap's internal channel (free()) follows them.
+  d["signal_pad_size"] = static_cast<size_t>(b.channels()) * static_cast<size_t>(n) *
+                         symm::SymmetricBuffer::kSignalSlotBytes;
+  return d;
+}
+
+// SymmHandle.get_buffer: a `dtype` tensor of `sizes` (contiguous) over `rank`'s copy, starting
+// `storage_offset` elements after t's first element; it keeps the allocation alive.
+at::Tensor peerBuffer(const at::Tensor& t, int rank, const std::vector<int64_t>& sizes, at::ScalarType dtype,
+                      int64_t storage_offset) {
+  auto a = allocationOf(t, "get_buffer");
+  checkPeerRank(*a, rank, "get_buffer");
+  const std::string op = rankText(*a) + ": crossbar.symm.SymmHandle.get_buffer: ";
+  auto* base = static_cast<char*>(a->buffer->peerPtr(rank));
+  if (!base)
+    throw InvalidArgument(op + "rank " + std::to_string(rank) + " (host " + a->hosts[static_cast<size_t>(rank)] +
+                          ") is on another node; only ranks on this node have a mapped buffer");
+  if (storage_offset < 0) throw InvalidArgument(op + fmt::format("storage_offset {} is negative", storage_offset));
+  const size_t itemsize = c10::elementSize(dtype);
+  size_t numel = 1;
+  for (int64_t d : sizes) {
+    if (d < 0) throw InvalidArgument(op + fmt::format("negative dimension in sizes ({})", fmt::join(sizes, ", ")));
+    numel *= static_cast<size_t>(d);
+  }
+  const size_t nbytes = static_cast<size_t>(t.storage().nbytes());
+  const size_t start = byteOffsetOf(t) + static_cast<size_t>(storage_offset) * itemsize;
+  if (start % itemsize != 0)
+    throw InvalidArgument(op + fmt::format("byte {} of the allocation (the handle's offset {} + storage_offset {} "
+                                           "x {} bytes) is not aligned to {}'s {} bytes",
+                                           start, byteOffsetOf(t), storage_offset, itemsize, c10::toString(dtype),
+                                           itemsize));
+  if (start > nbytes || numel * itemsize > nbytes - start)
+    throw InvalidArgument(op + fmt::format("sizes ({}) of {} at storage_offset {} need bytes [{}, {}) of the "
+                                           "allocation, which has {} bytes",
+                                           fmt::join(sizes, ", "), c10::toString(dtype), storage_offset, start,
+                                           start + numel * itemsize, nbytes));
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (size_t i = sizes.size(); i-- > 1;) strides[i - 1] = strides[i] * std::max<int64_t>(sizes[i], 1);
+  at::Tensor bytes = storageTensor(a, base, nbytes);
+  return at::empty({0}, bytes.options().dtype(dtype))
+      .set_(bytes.storage(), static_cast<int64_t>(start / itemsize), sizes, strides);
+}
+
+// SymmHandle.barrier: every rank signals every other on `channel` of t's own buffer and waits
+// for all (host: bounded by the timeout; CUDA: on the current stream).
+void bufferBarrier(const at::Tensor& t, int channel, std::optional<double> timeout_s) {
+  auto a = allocationOf(t, "barrier");
+  checkChannel(*a, channel, "SymmHandle.barrier");
+#if CROSSBAR_TORCH_CUDA
+  if (a->device >= 0) {
+    requireNoTimeout(*a, timeout_s, "SymmHandle.barrier");
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(a->device));
+    streamBarrier(*a->buffer, channel, currentStream(a->device));
+    return;
+  }
+#endif
+  const Deadline d = deadlineOf(*a, timeout_s);
+  py::gil_scoped_release release;
+  a->buffer->barrier(channel, d);
+}
+
+// SymmHandle.device_handle: the bytes of a cuda::SymmDeviceHandle (symmem/cuda/device_handle.h)
+// for `channel`, with every peer pointer at t's first element in that peer's copy.
+py::bytes deviceHandleBytes(const at::Tensor& t, int channel) {
+  auto a = allocationOf(t, "device_handle");
+  checkChannel(*a, channel, "SymmHandle.device_handle");
+  if (a->device < 0)
+    throw InvalidArgument(rankText(*a) +
+                          ": crossbar.symm.SymmHandle.device_handle: the tensor is in host memory; the "
+                          "SymmDeviceHandle is for CUDA kernels on CUDA symmetric tensors (host code uses "
+                          "buffer_ptrs and signal_pad_ptrs)");
+#if CROSSBAR_TORCH_CUDA
+  cuda::SymmDeviceHandle h = cuda::makeDeviceHandle(*a->buffer, channel);
+  const size_t offset = byteOffsetOf(t), nbytes = static_cast<size_t>(t.storage().nbytes());
+  for (int r = 0; r < h.local_size; ++r) h.peer_ptrs[r] = static_cast<char*>(h.peer_ptrs[r]) + offset;
+  h.size = nbytes > offset ? nbytes - offset : 0;
+  return py::bytes(reinterpret_cast<const char*>(&h), sizeof(h));
+#else
+  return py::bytes();  // unreachable: host-only builds have no CUDA allocations
+#endif
+}
+
+// Offsets of SymmDeviceHandle's fields, so Python can check and decode the bytes.
+py::dict deviceHandleLayout() {
+  using H = cuda::SymmDeviceHandle;
+  py::dict d;
+  d["size"] = sizeof(H);
+  d["max_local_ranks"] = cuda::kMaxLocalRanks;
+  d["peer_ptrs"] = offsetof(H, peer_ptrs);
+  d["signal_pads"] = offsetof(H, signal_pads);
+  d["timeout_flag"] = offsetof(H, timeout_flag);
+  d["rank"] = offsetof(H, rank);
+  d["local_size"] = offsetof(H, local_size);
+  d["size_bytes"] = offsetof(H, size);
+  d["signal_stride"] = offsetof(H, signal_stride);
+  return d;
 }
 
 // Blocks the host until the current stream of `device` has finished what is queued on it
@@ -454,6 +628,14 @@ void bindSymm(py::module_& m) {
     return t.defined() && t.has_storage() && t.storage().data_ptr().get_deleter() == &deleteAllocation;
   });
   s.def("barrier", &barrier, py::arg("backend"), py::arg("timeout") = std::nullopt, py::arg("device") = -1);
+  s.def("handle_info", &handleInfo, py::arg("t"), py::arg("backend") = py::none(),
+        "crossbar.symm.rendezvous's data: every rank's address of t's first element and signal pad, and tables "
+        "of both (int64 CPU tensors for host memory, uint64 tensors on the GPU for CUDA memory; cached).");
+  s.def("get_buffer", &peerBuffer, py::arg("t"), py::arg("rank"), py::arg("sizes"), py::arg("dtype"),
+        py::arg("storage_offset") = 0);
+  s.def("buffer_barrier", &bufferBarrier, py::arg("t"), py::arg("channel"), py::arg("timeout") = std::nullopt);
+  s.def("device_handle", &deviceHandleBytes, py::arg("t"), py::arg("channel"));
+  s.def("device_handle_layout", &deviceHandleLayout);
   s.def(
       "direct_reads", [] { return symmDirectReads(); },
       "Blocks this process's collectives read in place from peers' symmetric inputs (zero copy).");

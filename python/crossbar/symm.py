@@ -24,6 +24,16 @@ ranks, so ``peer`` returns a CUDA tensor over a peer's memory. ``signal``, ``wai
 no kernel) and return at once, like NCCL calls: ``signal`` lands after the stream's earlier work
 (its writes visible to the peer first), and later work on the stream runs after the awaited
 signal. The GPU waits without a deadline; ``synchronize(device, timeout)`` bounds it on the host.
+
+User kernels (Triton, CUDA, ctypes on the CPU) address every rank's copy through a handle, the
+counterpart of ``torch.distributed._symmetric_memory.rendezvous`` (docs/torch-backend.md)::
+
+    h = symm.rendezvous(t)          # local: the exchange happened in empty()
+    h.buffer_ptrs[p]                # address of t's first element in rank p's copy (int)
+    h.buffer_ptrs_dev               # address of a table of those (CUDA: on t's GPU, uint64)
+    h.signal_pad_ptrs[p]            # rank p's signal pad: slot (channel c, sender s) is the
+                                    # uint64 counter at + (c * world_size + s) * 16
+    h.device_handle(channel)        # CUDA: bytes of cuda::SymmDeviceHandle for a C++ kernel
 """
 
 from __future__ import annotations
@@ -33,7 +43,19 @@ import torch
 from . import _C, errors
 from ._group import crossbar_backend
 
-__all__ = ["empty", "peer", "signal", "wait_signal", "barrier", "synchronize", "is_symmetric", "cuda_available"]
+__all__ = [
+    "empty",
+    "peer",
+    "signal",
+    "wait_signal",
+    "barrier",
+    "synchronize",
+    "is_symmetric",
+    "cuda_available",
+    "rendezvous",
+    "SymmHandle",
+    "DEVICE_HANDLE_LAYOUT",
+]
 
 
 def cuda_available() -> bool:
@@ -123,3 +145,120 @@ def synchronize(device="cuda", timeout=None) -> None:
         return
     seconds = _seconds(timeout)
     _C._symm.synchronize(index, 300.0 if seconds is None else seconds)
+
+
+# Offsets of cuda::SymmDeviceHandle's fields (symmem/cuda/device_handle.h) and its size, in
+# bytes, as this build lays it out: SymmHandle.device_handle() returns those bytes.
+DEVICE_HANDLE_LAYOUT: dict = dict(_C._symm.device_handle_layout())
+
+
+class SymmHandle:
+    """What a kernel needs to address every rank's copy of a symmetric tensor: made by
+    :func:`rendezvous`, the counterpart of torch's ``_SymmetricMemory`` handle.
+
+    Addresses are of the tensor's first element (its offset into the allocation is kept), in
+    this process's mapping of each rank's copy; ``0`` for a rank on another node (not mapped).
+    CPU tensors: host addresses (``ctypes``; the tables are int64 CPU tensors). CUDA tensors:
+    device addresses on the tensor's GPU (the tables are uint64 tensors on that GPU, built once
+    per allocation and offset and kept while the tensor lives).
+
+    Attributes: ``rank``, ``world_size``, ``device`` (the tensor's), ``offset`` (bytes of the
+    tensor's first element from the allocation's start), ``buffer_size`` (bytes from
+    ``buffer_ptrs[p]`` to the end of the allocation), ``buffer_ptrs`` / ``buffer_ptrs_dev`` /
+    ``buffer_ptrs_tensor``, ``signal_pad_ptrs`` / ``signal_pad_ptrs_dev`` /
+    ``signal_pad_ptrs_tensor``, ``signal_pad_size`` (bytes of the user channels' slots),
+    ``channels``, ``signal_slot_bytes`` (16).
+
+    Signal pad layout (the pads ``signal`` / ``wait_signal`` use): rank p's pad at
+    ``signal_pad_ptrs[p]`` holds one 16-byte slot per (channel c, sender s) at byte
+    ``(c * world_size + s) * 16``; its first 8 bytes are a uint64 counter that only sender s
+    writes and only p waits on. A signal from s to p on c stores the counter's next value
+    (previous + 1, release order after the data); ``wait_signal(t, s, c)`` on p consumes one.
+    The counters only grow: do not mix raw writes and ``signal`` on one (channel, sender), since
+    each keeps its own count. A raw store on the CPU wakes a sleeping ``wait_signal`` within
+    its sleep slice (at most 100 ms; crossbar's own signal wakes it at once).
+    """
+
+    def __init__(self, t: torch.Tensor, info: dict):
+        self._tensor = t  # keeps the allocation (and the cached tables) alive
+        self.rank: int = info["rank"]
+        self.world_size: int = info["world_size"]
+        self.device = t.device
+        self.offset: int = info["offset"]
+        self.buffer_size: int = info["buffer_size"]
+        self.buffer_ptrs: list = list(info["buffer_ptrs"])
+        self.signal_pad_ptrs: list = list(info["signal_pad_ptrs"])
+        self.buffer_ptrs_tensor: torch.Tensor = info["buffer_ptrs_table"]
+        self.signal_pad_ptrs_tensor: torch.Tensor = info["signal_pad_ptrs_table"]
+        self.buffer_ptrs_dev: int = self.buffer_ptrs_tensor.data_ptr()
+        self.signal_pad_ptrs_dev: int = self.signal_pad_ptrs_tensor.data_ptr()
+        self.signal_pad_size: int = info["signal_pad_size"]
+        self.channels: int = info["channels"]
+        self.signal_slot_bytes: int = info["signal_slot_bytes"]
+
+    def __repr__(self) -> str:
+        return (
+            f"SymmHandle(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+            f"offset={self.offset}, buffer_size={self.buffer_size})"
+        )
+
+    def signal_slot_ptr(self, owner: int, sender: int, channel: int = 0) -> int:
+        """Address of the counter that ``sender`` writes for ``channel`` in ``owner``'s pad."""
+        for name, r in (("owner", owner), ("sender", sender)):
+            if not 0 <= r < self.world_size:
+                raise errors.InvalidArgument(
+                    f"rank {self.rank}: crossbar.symm.SymmHandle.signal_slot_ptr: {name} {r} is not a rank of the "
+                    f"group (size {self.world_size})"
+                )
+        if not 0 <= channel < self.channels:
+            raise errors.InvalidArgument(
+                f"rank {self.rank}: crossbar.symm.SymmHandle.signal_slot_ptr: channel {channel} is out of range: "
+                f"the buffer has {self.channels} channels (CROSSBAR_SYMMEM_CHANNELS)"
+            )
+        if self.signal_pad_ptrs[owner] == 0:
+            raise errors.InvalidArgument(
+                f"rank {self.rank}: crossbar.symm.SymmHandle.signal_slot_ptr: rank {owner} is on another node; "
+                "its pad is not mapped here"
+            )
+        return self.signal_pad_ptrs[owner] + (channel * self.world_size + sender) * self.signal_slot_bytes
+
+    def get_buffer(self, rank: int, sizes, dtype: torch.dtype, storage_offset: int = 0) -> torch.Tensor:
+        """A contiguous ``dtype`` tensor of ``sizes`` over ``rank``'s copy, starting
+        ``storage_offset`` elements (of ``dtype``) after ``buffer_ptrs[rank]``; it aliases that
+        memory and keeps the allocation alive. InvalidArgument past the allocation's end or at
+        an address not aligned to ``dtype``."""
+        sizes = (sizes,) if isinstance(sizes, int) else [int(d) for d in sizes]
+        return _C._symm.get_buffer(self._tensor, int(rank), list(sizes), dtype, int(storage_offset))
+
+    def barrier(self, channel: int = 0, timeout=None) -> None:
+        """Every rank signals every other on ``channel`` of this buffer's pads and waits for
+        all (CPU: ``timeout`` as in ``wait_signal``; CUDA: on the current stream, no timeout).
+        Use a channel either for barriers or for point-to-point signals."""
+        _C._symm.buffer_barrier(self._tensor, int(channel), _seconds(timeout))
+
+    def put_signal(self, dst_rank: int, channel: int = 0) -> None:
+        """``crossbar.symm.signal`` on this buffer."""
+        signal(self._tensor, dst_rank, channel)
+
+    def wait_signal(self, src_rank: int, channel: int = 0, timeout=None) -> None:
+        """``crossbar.symm.wait_signal`` on this buffer."""
+        wait_signal(self._tensor, src_rank, channel, timeout)
+
+    def device_handle(self, channel: int = 0) -> bytes:
+        """CUDA tensors: the bytes of a ``crossbar::cuda::SymmDeviceHandle``
+        (symmem/cuda/device_handle.h; layout in ``DEVICE_HANDLE_LAYOUT``) for ``channel``:
+        ``peer_ptrs[r] == buffer_ptrs[r]``, ``signal_pads[r]`` = rank r's slot of sender 0 on
+        ``channel`` (slot of sender s at ``+ s * signal_stride`` words, ``signal_stride`` 2),
+        ``size == buffer_size``. A C++ extension copies them into the struct and passes it by
+        value to its kernel. CPU tensors: InvalidArgument."""
+        return _C._symm.device_handle(self._tensor, int(channel))
+
+
+def rendezvous(t: torch.Tensor, group=None) -> SymmHandle:
+    """The handle of symmetric tensor ``t`` (from ``empty``, a view of it, or ``peer``) for user
+    kernels: every rank's address of ``t``'s first element, the signal pads, their tables.
+    Unlike torch's ``rendezvous`` it is local (no communication: the ranks exchanged their
+    mappings in ``empty``), so ranks may call it at different times, or not at all. ``group``:
+    when given, it must be the group ``t`` was allocated on (InvalidArgument otherwise)."""
+    backend = None if group is None else crossbar_backend(group, "crossbar.symm.rendezvous")
+    return SymmHandle(t, _C._symm.handle_info(t, backend))
