@@ -322,6 +322,33 @@ inline void reduceOneChunk(T* dst, const T* const* srcs, size_t nsrc, size_t off
   storeChunk<T, Op>(dst + off, acc, m, count);
 }
 
+// reduceChunked() for n <= kSmall: element by element, the same operations in the same
+// order as the chunk loops, without their setup or their stack frame (small collectives'
+// latency).
+template <class T, ReduceOp Op>
+void reduceSmall(T* dst, const T* const* srcs, size_t nsrc, size_t n, AccumT<T> scalar, bool preFirst,
+                 uint64_t count) {
+  using R = Reducer<T, Op>;
+  for (size_t i = 0; i < n; ++i) {
+    AccumT<T> a = loadAcc(srcs[0][i]);
+    if (preFirst) a = R::pre(a, scalar);
+    for (size_t k = 1; k < nsrc; ++k) a = R::combine(a, R::pre(loadAcc(srcs[k][i]), scalar));
+    dst[i] = storeAcc<T>(count != 0 ? R::post(a, count) : a);
+  }
+}
+
+// reduceChunked() from kSmall elements up. Not inlined, so its 4-8 KiB accumulator frame
+// stays out of the small path.
+template <class T, ReduceOp Op>
+__attribute__((noinline)) void reduceLarge(T* dst, const T* const* srcs, size_t nsrc, size_t n, AccumT<T> scalar,
+                                           bool preFirst, uint64_t count) {
+  alignas(64) AccumT<T> acc[kChunk];
+  size_t full = n - n % kChunk;
+  for (size_t off = 0; off < full; off += kChunk)
+    reduceOneChunk<T, Op>(dst, srcs, nsrc, off, kChunk, acc, scalar, preFirst, count);
+  if (full < n) reduceOneChunk<T, Op>(dst, srcs, nsrc, full, n - full, acc, scalar, preFirst, count);
+}
+
 // dst = post(combine_k pre(src_k)); pre on src 0 only if preFirst, post only if count.
 // dst may alias any src: a chunk is fully read before it is written. Full chunks are
 // processed with a compile-time trip count, which GCC's -O2 ("very cheap") vectorizer
@@ -329,23 +356,10 @@ inline void reduceOneChunk(T* dst, const T* const* srcs, size_t nsrc, size_t off
 template <class T, ReduceOp Op>
 void reduceChunked(T* dst, const T* const* srcs, size_t nsrc, size_t n, AccumT<T> scalar, bool preFirst,
                    uint64_t count) {
-  using R = Reducer<T, Op>;
-  if (n <= kSmall) {
-    // A few elements (small collectives' latency): element by element, the same
-    // operations in the same order as the chunk loops, without their setup.
-    for (size_t i = 0; i < n; ++i) {
-      AccumT<T> a = loadAcc(srcs[0][i]);
-      if (preFirst) a = R::pre(a, scalar);
-      for (size_t k = 1; k < nsrc; ++k) a = R::combine(a, R::pre(loadAcc(srcs[k][i]), scalar));
-      dst[i] = storeAcc<T>(count != 0 ? R::post(a, count) : a);
-    }
-    return;
-  }
-  alignas(64) AccumT<T> acc[kChunk];
-  size_t full = n - n % kChunk;
-  for (size_t off = 0; off < full; off += kChunk)
-    reduceOneChunk<T, Op>(dst, srcs, nsrc, off, kChunk, acc, scalar, preFirst, count);
-  if (full < n) reduceOneChunk<T, Op>(dst, srcs, nsrc, full, n - full, acc, scalar, preFirst, count);
+  if (n <= kSmall)
+    reduceSmall<T, Op>(dst, srcs, nsrc, n, scalar, preFirst, count);
+  else
+    reduceLarge<T, Op>(dst, srcs, nsrc, n, scalar, preFirst, count);
 }
 
 inline void checkSupported(DataType t, ReduceOp op, const char* what) {
@@ -370,16 +384,33 @@ void dispatch(DataType t, ReduceOp op, const char* what, Body&& body) {
 
 }  // namespace reducedetail
 
+// reduce() with its (type, op) resolved: dst = post(combine_k pre(src_k)) with pre =
+// the premul-sum factor and post = avg's division by `count`.
+using ReduceFn = void (*)(void* dst, const void* const* srcs, size_t nsrc, size_t n, double premul, uint64_t count);
+
+namespace reducedetail {
+template <class T, ReduceOp Op>
+void reduceResolved(void* dst, const void* const* srcs, size_t nsrc, size_t n, double premul, uint64_t count) {
+  reduceChunked<T, Op>(static_cast<T*>(dst), reinterpret_cast<const T* const*>(srcs), nsrc, n,
+                       static_cast<AccumT<T>>(premul), true, count);
+}
+}  // namespace reducedetail
+
+// The function reduce() calls for (t, op). Flattened into two jump tables (~20
+// instructions), where dispatching the call itself through the nested visitors cost ~250
+// (a small collective's whole reduction is ~70).
+__attribute__((flatten)) inline ReduceFn reduceFunction(DataType t, ReduceOp op) {
+  ReduceFn f = nullptr;
+  reducedetail::dispatch(t, op, "reduce", [&]<class T, ReduceOp Op>() { f = &reducedetail::reduceResolved<T, Op>; });
+  return f;
+}
+
 // Complete reduction of nsrc inputs of n elements into dst, accumulating in AccumT and
 // rounding once. dst may alias any input.
 inline void reduce(void* dst, const void* const* srcs, size_t nsrc, size_t n, DataType t, ReduceOp op,
                    const ReduceParams& p = {}) {
   if (nsrc == 0) throw InvalidArgument("reduce: needs at least one input buffer");
-  uint64_t count = p.avgCount ? p.avgCount : nsrc;
-  reducedetail::dispatch(t, op, "reduce", [&]<class T, ReduceOp Op>() {
-    reducedetail::reduceChunked<T, Op>(static_cast<T*>(dst), reinterpret_cast<const T* const*>(srcs), nsrc, n,
-                                       static_cast<AccumT<T>>(p.preMulScalar), true, count);
-  });
+  reduceFunction(t, op)(dst, srcs, nsrc, n, p.preMulScalar, p.avgCount ? p.avgCount : nsrc);
 }
 
 // One step of a multi-step algorithm: dst = combine(dst, pre(src)). dst holds a partial
