@@ -47,6 +47,14 @@ enum class CollType {
 };
 inline constexpr int kNumCollTypes = 12;
 const char* collTypeName(CollType c);  // "allreduce", "reduce_scatter", ...
+// Whether a collective takes a reduce op / a root (the fields others ignore).
+inline bool hasReduceOp(CollType c) {
+  return c == CollType::kAllreduce || c == CollType::kReduceScatter || c == CollType::kReduce;
+}
+inline bool hasRoot(CollType c) {
+  return c == CollType::kBroadcast || c == CollType::kReduce || c == CollType::kGather ||
+         c == CollType::kScatter;
+}
 bool parseCollType(const std::string& name, CollType* out);
 
 // Everything one call describes; pointers are the caller's buffers.

@@ -524,15 +524,6 @@ bool isP2p(CollType c) {
   return c == CollType::kSend || c == CollType::kRecv;
 }
 
-bool hasReduceOp(CollType c) {
-  return c == CollType::kAllreduce || c == CollType::kReduceScatter || c == CollType::kReduce;
-}
-
-bool hasRoot(CollType c) {
-  return c == CollType::kBroadcast || c == CollType::kReduce || c == CollType::kGather ||
-         c == CollType::kScatter;
-}
-
 // Whether the call moves no data at all (every rank agrees, as counts must match).
 bool isEmpty(const CollArgs& a) {
   switch (a.coll) {

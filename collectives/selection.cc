@@ -65,10 +65,6 @@ bool parseCollType(const std::string& name, CollType* out) {
   return false;
 }
 
-static bool hasReduceOp(CollType c) {
-  return c == CollType::kAllreduce || c == CollType::kReduceScatter || c == CollType::kReduce;
-}
-
 size_t CollArgs::selectionBytes(int nranks) const {
   const size_t es = elementSize(type);
   switch (coll) {

@@ -29,13 +29,6 @@ uint32_t checkTag(uint64_t seq, uint32_t sub) {
 constexpr uint32_t kMagic = 0x67734243;  // "CBsg"
 constexpr size_t kHeaderBytes = 4 + 4 * 4 + 8 + 8 + 4;
 
-bool rooted(CollType c) {
-  return c == CollType::kBroadcast || c == CollType::kReduce || c == CollType::kGather ||
-         c == CollType::kScatter;
-}
-bool reduces(CollType c) {
-  return c == CollType::kAllreduce || c == CollType::kReduceScatter || c == CollType::kReduce;
-}
 
 template <typename T>
 void put(std::vector<uint8_t>& out, T v) {
@@ -117,21 +110,6 @@ const char* callCheckModeName(CallCheckMode mode) {
       return "full";
   }
   return "?";
-}
-
-CallSignature CallSignature::of(const CollArgs& a, uint64_t seq, bool with_counts) {
-  CallSignature s;
-  s.coll = static_cast<int32_t>(a.coll);
-  s.type = a.coll == CollType::kBarrier ? -1 : static_cast<int32_t>(a.type);
-  s.op = reduces(a.coll) ? static_cast<int32_t>(a.op) : -1;
-  s.root = rooted(a.coll) ? a.root : -1;
-  s.count = a.coll == CollType::kAlltoallv || a.coll == CollType::kBarrier ? 0 : a.count;
-  s.seq = seq;
-  if (with_counts && a.coll == CollType::kAlltoallv) {
-    s.send_counts.assign(a.send_counts.begin(), a.send_counts.end());
-    s.recv_counts.assign(a.recv_counts.begin(), a.recv_counts.end());
-  }
-  return s;
 }
 
 uint64_t CallSignature::hash() const {

@@ -50,7 +50,21 @@ struct CallSignature {
   // alltoallv only, in full mode: elements sent to / received from each rank.
   std::vector<uint64_t> send_counts, recv_counts;
 
-  static CallSignature of(const CollArgs& a, uint64_t seq, bool with_counts);
+  // Inline: every small call computes its own (the eager header stores it).
+  static CallSignature of(const CollArgs& a, uint64_t seq, bool with_counts) {
+    CallSignature s;
+    s.coll = static_cast<int32_t>(a.coll);
+    s.type = a.coll == CollType::kBarrier ? -1 : static_cast<int32_t>(a.type);
+    s.op = hasReduceOp(a.coll) ? static_cast<int32_t>(a.op) : -1;
+    s.root = hasRoot(a.coll) ? a.root : -1;
+    s.count = a.coll == CollType::kAlltoallv || a.coll == CollType::kBarrier ? 0 : a.count;
+    s.seq = seq;
+    if (with_counts && a.coll == CollType::kAlltoallv) {
+      s.send_counts.assign(a.send_counts.begin(), a.send_counts.end());
+      s.recv_counts.assign(a.recv_counts.begin(), a.recv_counts.end());
+    }
+    return s;
+  }
   uint64_t hash() const;         // of every field but the per-peer counts
   std::string describe() const;  // "allreduce of 64 x float32 sum (collective #3)"
   std::vector<uint8_t> serialize() const;
