@@ -200,8 +200,11 @@ struct MoeBuffer::Impl {
                                    Deadline::after(Millis(1)));
     }
   }
-  void encodeRow(const void* x, size_t t, const int64_t* topk_idx, const float* w, float gscale,
-                 uint8_t* out) const;
+  // One wire record of token t: x encoded, or with `xq` its codes and scales copied as they are.
+  void encodeRow(const void* x, const QuantizedTokens* xq, size_t t, const int64_t* topk_idx, const float* w,
+                 float gscale, uint8_t* out) const;
+  // InvalidUsage unless `xq` fits this buffer (format, row byte counts, pointers).
+  void checkQuantizedInput(const QuantizedTokens& xq, size_t tokens, const char* op) const;
   void decodeRow(const uint8_t* rec, void* out) const;
 };
 
@@ -295,14 +298,19 @@ Layout MoeBuffer::layout(const int64_t* topk_idx, size_t tokens, int num_experts
   return impl_->layout(topk_idx, tokens, num_experts, "moe layout");
 }
 
-void MoeBuffer::Impl::encodeRow(const void* x, size_t t, const int64_t* topk_idx, const float* w,
-                                float gscale, uint8_t* out) const {
+void MoeBuffer::Impl::encodeRow(const void* x, const QuantizedTokens* xq, size_t t, const int64_t* topk_idx,
+                                const float* w, float gscale, uint8_t* out) const {
   const size_t k = static_cast<size_t>(cfg.topk), H = cfg.hidden;
   RowHeader hdr{rank, static_cast<int32_t>(t), gscale, 0};
   std::memcpy(out, &hdr, sizeof hdr);
   std::memcpy(out + off_topk, topk_idx + t * k, 8 * k);
   float* wo = reinterpret_cast<float*>(out + off_w);
   for (size_t j = 0; j < k; ++j) wo[j] = w ? w[t * k + j] : 1.0f;
+  if (xq) {
+    std::memcpy(out + off_scales, static_cast<const uint8_t*>(xq->scales) + t * scale_bytes, scale_bytes);
+    std::memcpy(out + off_payload, static_cast<const uint8_t*>(xq->payload) + t * payload_bytes, payload_bytes);
+    return;
+  }
   const char* src = static_cast<const char*>(x) + t * H * es;
   if (!quantized()) {
     std::memcpy(out + off_payload, src, H * es);
@@ -331,18 +339,69 @@ void MoeBuffer::Impl::decodeRow(const uint8_t* rec, void* out) const {
                   static_cast<BFloat16*>(out), hdr.global_scale);
 }
 
+void MoeBuffer::Impl::checkQuantizedInput(const QuantizedTokens& xq, size_t tokens, const char* op) const {
+  if (!quantized())
+    throw InvalidUsage(ctx(op) + fmt::format("pre-quantized x ({}) given to a buffer with the native payload "
+                                             "format: pass x itself, or create the MoeBuffer with that format",
+                                             payloadFormatName(xq.format)));
+  if (xq.format != cfg.format)
+    throw InvalidUsage(ctx(op) + fmt::format("pre-quantized x is {} but the buffer's payload format is {}: "
+                                             "quantize x with the buffer's format",
+                                             payloadFormatName(xq.format), payloadFormatName(cfg.format)));
+  if (xq.payload_row_bytes != payload_bytes || xq.scale_row_bytes != scale_bytes)
+    throw InvalidUsage(ctx(op) + fmt::format("pre-quantized {} x has {} payload and {} scale bytes per token; "
+                                             "hidden {} needs {} and {} (payload [tokens x {}], scales [tokens "
+                                             "x {}])",
+                                             payloadFormatName(cfg.format), xq.payload_row_bytes,
+                                             xq.scale_row_bytes, cfg.hidden, payload_bytes, scale_bytes,
+                                             payload_bytes, scale_bytes));
+  if (tokens > 0 && (!xq.payload || !xq.scales))
+    throw InvalidUsage(ctx(op) + "pre-quantized x: the payload or scales pointer is null");
+}
+
 DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* topk_idx,
                                    const float* topk_weights, std::shared_ptr<const MoeHandle> cached,
                                    DispatchResult* recycle) {
+  DispatchArgs a;
+  a.tokens = tokens;
+  a.x = x;
+  a.topk_idx = topk_idx;
+  a.topk_weights = topk_weights;
+  a.cached = std::move(cached);
+  a.recycle = recycle;
+  return dispatch(a);
+}
+
+DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
   Impl& im = *impl_;
   const char* op = "moe dispatch";
   const auto& cfg = im.cfg;
   const size_t k = static_cast<size_t>(cfg.topk), H = cfg.hidden, row = im.row;
+  const size_t tokens = args.tokens;
+  const void* x = args.x;
+  const QuantizedTokens* xq = args.x_quantized;
+  const int64_t* topk_idx = args.topk_idx;
+  const float* topk_weights = args.topk_weights;
+  const std::shared_ptr<const MoeHandle>& cached = args.cached;
+  DispatchResult* recycle = args.recycle;
   if (tokens > cfg.max_tokens)
     throw InvalidArgument(im.ctx(op) + fmt::format("{} tokens exceed the buffer's max_tokens {}: create the "
                                                    "MoeBuffer with a larger max_tokens",
                                                    tokens, cfg.max_tokens));
-  if (tokens > 0 && (!x || !topk_idx)) throw InvalidArgument(im.ctx(op) + "x or topk_idx is null");
+  if (x && xq)
+    throw InvalidUsage(im.ctx(op) + "both x and a pre-quantized x given: pass one of them");
+  if (xq) im.checkQuantizedInput(*xq, tokens, op);
+  if (tokens > 0 && ((!x && !xq) || !topk_idx)) throw InvalidArgument(im.ctx(op) + "x or topk_idx is null");
+  // Which forms of the received rows this call returns.
+  bool want_x = true, want_q = cfg.return_quantized && im.quantized();
+  if (args.output != RecvOutput::kConfig) {
+    if (!im.quantized() && args.output != RecvOutput::kDequantized)
+      throw InvalidUsage(im.ctx(op) + "a quantized output was asked of a buffer with the native payload "
+                                      "format (it has no quantized form): create the MoeBuffer with fp8, "
+                                      "mxfp8 or nvfp4");
+    want_x = args.output != RecvOutput::kQuantized;
+    want_q = args.output != RecvOutput::kDequantized && im.quantized();
+  }
   if (cached && cached->owner != this)
     throw InvalidArgument(im.ctx(op) + "the cached handle comes from another MoeBuffer");
   if (cached && cached->tokens != tokens)
@@ -357,6 +416,8 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     keep.x_expert_major = std::move(recycle->x_expert_major);
     keep.q_payload = std::move(recycle->q_payload);
     keep.q_scales = std::move(recycle->q_scales);
+    keep.q_payload_expert_major = std::move(recycle->q_payload_expert_major);
+    keep.q_scales_expert_major = std::move(recycle->q_scales_expert_major);
     *recycle = std::move(keep);
   }
   // If the call throws, what it took from `recycle` goes back there (a caller's views of that
@@ -368,7 +429,9 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     ~GiveBack() {
       if (!to || finished) return;
       for (auto [dst, src] : {std::pair{&to->x, &res.x}, std::pair{&to->x_expert_major, &res.x_expert_major},
-                              std::pair{&to->q_payload, &res.q_payload}, std::pair{&to->q_scales, &res.q_scales}})
+                              std::pair{&to->q_payload, &res.q_payload}, std::pair{&to->q_scales, &res.q_scales},
+                              std::pair{&to->q_payload_expert_major, &res.q_payload_expert_major},
+                              std::pair{&to->q_scales_expert_major, &res.q_scales_expert_major}})
         if (dst->empty()) *dst = std::move(*src);
     }
   } give_back{recycle, res};
@@ -399,7 +462,9 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
 
   // nvfp4's per-tensor scale covers this rank's whole x.
   float gscale = 1.0f;
-  if (cfg.format == PayloadFormat::kNvfp4) {
+  if (xq && cfg.format == PayloadFormat::kNvfp4) {
+    gscale = xq->global_scale;  // the scale the caller's codes were made with
+  } else if (cfg.format == PayloadFormat::kNvfp4) {
     // One vectorized pass over the tensor (host_codec.h; the same amax as blockAmax per row).
     const BlockAmax a = cfg.dtype == DataType::kFloat32
                             ? tensorAmaxHost(static_cast<const float*>(x), tokens * H)
@@ -415,7 +480,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
   auto encodedRow = [&](int32_t t) -> const uint8_t* {
     if (!encoded_at[t]) {
       uint8_t* p = im.enc.data() + static_cast<size_t>(t) * row;
-      im.encodeRow(x, t, topk_idx, topk_weights, gscale, p);
+      im.encodeRow(x, xq, t, topk_idx, topk_weights, gscale, p);
       encoded_at[t] = p;
     }
     return encoded_at[t];
@@ -424,7 +489,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     if (encoded_at[t]) {
       std::memcpy(dst, encoded_at[t], row);
     } else {
-      im.encodeRow(x, t, topk_idx, topk_weights, gscale, dst);
+      im.encodeRow(x, xq, t, topk_idx, topk_weights, gscale, dst);
       encoded_at[t] = dst;
     }
   };
@@ -600,9 +665,9 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
       }
       clk.lap("decode");
       // A fresh output's first touch faults its pages in (timed apart); a recycled one is resident.
-      sizeFrom(res.x, recycle ? &recycle->x : nullptr, n * H * im.es);
+      if (want_x) sizeFrom(res.x, recycle ? &recycle->x : nullptr, n * H * im.es);
       rec_of.assign(n, nullptr);
-      if (cfg.return_quantized && im.quantized()) {
+      if (want_q) {
         sizeFrom(res.q_payload, recycle ? &recycle->q_payload : nullptr, n * im.payload_bytes);
         sizeFrom(res.q_scales, recycle ? &recycle->q_scales : nullptr, n * im.scale_bytes);
         res.q_global_scale.resize(n);
@@ -630,8 +695,8 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
                                                        im.node_ranks[im.me_node][j], hd.reserved, hd.src_rank));
         rec_of[i] = rec;
         h->recv_rows[j][s.decoded] = static_cast<int32_t>(i);
-        im.decodeRow(rec, res.x.data() + i * H * im.es);
-        if (cfg.return_quantized && im.quantized()) {
+        if (want_x) im.decodeRow(rec, res.x.data() + i * H * im.es);
+        if (want_q) {
           std::memcpy(res.q_payload.data() + i * im.payload_bytes, rec + im.off_payload, im.payload_bytes);
           std::memcpy(res.q_scales.data() + i * im.scale_bytes, rec + im.off_scales, im.scale_bytes);
           res.q_global_scale[i] = hd.global_scale;
@@ -843,11 +908,20 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
     res.expert_rows = std::move(em.rows);
     res.expert_weights.resize(res.expert_rows.size());
     for (size_t p = 0; p < res.expert_rows.size(); ++p) res.expert_weights[p] = res.topk_weights[em.slots[p]];
-    if (cfg.expert_major_copy) {
-      sizeFrom(res.x_expert_major, recycle ? &recycle->x_expert_major : nullptr, res.expert_rows.size() * H * im.es);
+    // Expert-major copies of each form returned: rows of `from` (`bytes` each) in expert order.
+    auto expertMajor = [&](std::vector<uint8_t>& to, std::vector<uint8_t>* recycled, const std::vector<uint8_t>& from,
+                           size_t bytes) {
+      sizeFrom(to, recycled, res.expert_rows.size() * bytes);
       for (size_t p = 0; p < res.expert_rows.size(); ++p)
-        std::memcpy(res.x_expert_major.data() + p * H * im.es,
-                    res.x.data() + static_cast<size_t>(res.expert_rows[p]) * H * im.es, H * im.es);
+        std::memcpy(to.data() + p * bytes, from.data() + static_cast<size_t>(res.expert_rows[p]) * bytes, bytes);
+    };
+    if (cfg.expert_major_copy && want_x)
+      expertMajor(res.x_expert_major, recycle ? &recycle->x_expert_major : nullptr, res.x, H * im.es);
+    if (cfg.expert_major_copy && want_q) {
+      expertMajor(res.q_payload_expert_major, recycle ? &recycle->q_payload_expert_major : nullptr, res.q_payload,
+                  im.payload_bytes);
+      expertMajor(res.q_scales_expert_major, recycle ? &recycle->q_scales_expert_major : nullptr, res.q_scales,
+                  im.scale_bytes);
     }
   }
   clk.lap("expert major");

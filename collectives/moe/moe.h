@@ -99,6 +99,35 @@ struct MoeMetrics {
 // topk_idx. Opaque.
 struct MoeHandle;
 
+// x already quantized by the caller (DeepEP / DeepSeek-V3's fp8 path: the activations are
+// quantized once for the fp8 expert GEMMs anyway): the codes and scales of the buffer's
+// payload format, row-major, one row per token. Dispatch sends these bytes as they are (no
+// encode); the received rows are bit-identical to dispatching the dequantizable x they came
+// from with the buffer's own encoder when they are that encoder's bytes.
+//   kFp8    payload e4m3 [tokens x hidden], scales f32 [tokens x ceil(hidden / 128)]
+//   kMxfp8  payload e4m3 [tokens x hidden], scales E8M0 [tokens x ceil(hidden / 32)]
+//   kNvfp4  payload e2m1 packed (low nibble first) [tokens x ceil(hidden / 2)], scales e4m3
+//           [tokens x ceil(hidden / 16)], plus the per-tensor global_scale the codes use
+struct QuantizedTokens {
+  PayloadFormat format = PayloadFormat::kFp8;  // must be the buffer's format
+  const void* payload = nullptr;
+  const void* scales = nullptr;
+  // Bytes per token of the caller's arrays: must be payloadBytes / scaleBytes of the format's
+  // codec for the buffer's hidden size (checked: a wrong shape is InvalidUsage, not a misread).
+  size_t payload_row_bytes = 0;
+  size_t scale_row_bytes = 0;
+  float global_scale = 1.0f;  // kNvfp4 only: nvfp4GlobalScale of the caller's tensor
+};
+
+// Which forms of the received tokens a dispatch returns (quantized payload formats).
+enum class RecvOutput {
+  kConfig,       // x (dequantized), plus q_* when MoeConfig::return_quantized
+  kDequantized,  // x only
+  kQuantized,    // q_payload / q_scales / q_global_scale only: no decode, x stays empty
+                 // (DeepEP's fp8 recv_x: codes + scales for the fp8 expert GEMMs)
+  kBoth,         // x and q_*
+};
+
 struct DispatchResult {
   size_t num_recv = 0;
   std::vector<uint8_t> x;                    // [num_recv x hidden] in MoeConfig::dtype (dequantized)
@@ -112,9 +141,12 @@ struct DispatchResult {
   std::vector<int32_t> expert_rows;     // row of x each expert-major row copies
   std::vector<float> expert_weights;    // its weight
   std::vector<uint8_t> x_expert_major;  // [expert_rows.size() x hidden] in MoeConfig::dtype (expert_major_copy)
-  // return_quantized: payloadBytes / scaleBytes per row, and the nvfp4 per-tensor scale.
+  // Quantized form (return_quantized / RecvOutput::kQuantized / kBoth): payloadBytes /
+  // scaleBytes per row as on the wire, and each row's nvfp4 per-tensor scale (its source's).
   std::vector<uint8_t> q_payload, q_scales;
   std::vector<float> q_global_scale;
+  // ... and its expert-major copy (expert_major_copy; rows as x_expert_major's).
+  std::vector<uint8_t> q_payload_expert_major, q_scales_expert_major;
   std::shared_ptr<const MoeHandle> handle;
   MoeMetrics metrics;
 };
@@ -146,6 +178,23 @@ class MoeBuffer {
   DispatchResult dispatch(const void* x, size_t tokens, const int64_t* topk_idx, const float* topk_weights,
                           std::shared_ptr<const MoeHandle> cached = nullptr,
                           DispatchResult* recycle = nullptr);
+
+  // Every dispatch option (the call above is dispatch({.tokens, .x, .topk_idx, ...})).
+  struct DispatchArgs {
+    size_t tokens = 0;
+    const void* x = nullptr;                       // [tokens x hidden] in MoeConfig::dtype, or
+    const QuantizedTokens* x_quantized = nullptr;  // pre-quantized x (quantized formats; x null)
+    const int64_t* topk_idx = nullptr;
+    const float* topk_weights = nullptr;
+    std::shared_ptr<const MoeHandle> cached;
+    DispatchResult* recycle = nullptr;
+    RecvOutput output = RecvOutput::kConfig;
+  };
+  // Collective. Input and output forms are independent: pre-quantized in + x out = decode
+  // only; x in + kQuantized out = encode only; both = no codec work at all. InvalidUsage
+  // (naming rank and operation, before any traffic) for a format mismatch, x and x_quantized
+  // both or neither given, wrong row byte counts, or a quantized form on a native buffer.
+  DispatchResult dispatch(const DispatchArgs& args);
 
   // Collective. y: [handle's num_recv x hidden] of y_type (kBFloat16 or kFloat32), rows as
   // dispatch returned them; weights (optional, [num_recv]) scale each row. Sums in f32.
