@@ -22,6 +22,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "collectives/symm_staging.h"
@@ -553,6 +554,8 @@ py::bytes deviceHandleBytes(const at::Tensor& t, int channel) {
 // Offsets of SymmDeviceHandle's fields, so Python can check and decode the bytes.
 py::dict deviceHandleLayout() {
   using H = cuda::SymmDeviceHandle;
+  // Handed to Python as bytes and back to C++ by memcpy: it must stay a plain struct.
+  static_assert(std::is_trivially_copyable_v<H> && std::is_standard_layout_v<H>);
   py::dict d;
   d["size"] = sizeof(H);
   d["max_local_ranks"] = cuda::kMaxLocalRanks;

@@ -3,10 +3,17 @@ zero-filled allocation, peer views (whole tensors, slices, transposes, bf16), th
 barrier, a signal/wait ping-pong on the current stream, a 16 MiB put into the peer's memory
 ordered by a signal with no host synchronization in between, a side stream, a wait whose signal
 does not come bounded by synchronize(timeout) (then released), typed errors, and ranks asking
-for different device types. Skips without a GPU or without CUDA symmetric tensors in the build.
+for different device types. The kernel handle (crossbar.symm.rendezvous): pointer tables on the
+GPU read back and read by a kernel at buffer_ptrs_dev, torch kernels writing through every rank's
+raw address, a view at a storage offset, get_buffer, the SymmDeviceHandle bytes decoded, a
+kernel's store into the documented signal slot taken by wait_signal, and (with triton) a Triton
+kernel putting through buffer_ptrs_dev and signaling through the pad. Skips without a GPU or
+without CUDA symmetric tensors in the build.
 
     CROSSBAR_BUILD_DIR=build python3 -m pytest -q tests/python/test_symm_cuda.py
 """
+
+import struct
 
 import pytest
 import torch
@@ -146,3 +153,147 @@ def _views_signals(rank, world):
 
 def test_symm_cuda_views_signals_barrier():
     run_ranks(_views_signals, 2)
+
+
+class _DeviceMemory:
+    """``n`` elements of ``typestr`` at device address ``ptr`` for torch.as_tensor (no copy):
+    how a test reaches a raw address from Python with torch kernels only."""
+
+    def __init__(self, ptr: int, n: int, typestr: str):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (n,), "typestr": typestr, "version": 3}
+
+
+def _at(ptr: int, n: int, typestr: str) -> torch.Tensor:
+    return torch.as_tensor(_DeviceMemory(ptr, n, typestr), device="cuda")
+
+
+def _decode_device_handle(symm, raw: bytes) -> dict:
+    lay = symm.DEVICE_HANDLE_LAYOUT
+    assert len(raw) == lay["size"]
+    n = lay["max_local_ranks"]
+    return {
+        "peer_ptrs": list(struct.unpack_from(f"<{n}Q", raw, lay["peer_ptrs"])),
+        "signal_pads": list(struct.unpack_from(f"<{n}Q", raw, lay["signal_pads"])),
+        "rank": struct.unpack_from("<i", raw, lay["rank"])[0],
+        "local_size": struct.unpack_from("<i", raw, lay["local_size"])[0],
+        "size": struct.unpack_from("<Q", raw, lay["size_bytes"])[0],
+        "signal_stride": struct.unpack_from("<i", raw, lay["signal_stride"])[0],
+    }
+
+
+def _handle(rank, world):
+    import crossbar
+    import crossbar.symm as symm
+
+    torch.cuda.set_device(0)
+    other = 1 - rank
+    t = symm.empty((4, 6), dtype=torch.float32, device="cuda")
+    h = symm.rendezvous(t)
+    assert (h.rank, h.world_size, h.offset, h.buffer_size) == (rank, world, 0, 4 * 6 * 4)
+    assert h.device == t.device and h.signal_pad_size == h.channels * world * 16
+    assert h.buffer_ptrs[rank] == t.data_ptr()
+    for p in range(world):
+        assert h.buffer_ptrs[p] == symm.peer(t, p).data_ptr()
+    # The tables: uint64 tensors on the GPU at buffer_ptrs_dev / signal_pad_ptrs_dev, read back
+    # and read by a kernel at the raw address.
+    for ptrs, table, dev in (
+        (h.buffer_ptrs, h.buffer_ptrs_tensor, h.buffer_ptrs_dev),
+        (h.signal_pad_ptrs, h.signal_pad_ptrs_tensor, h.signal_pad_ptrs_dev),
+    ):
+        assert table.dtype == torch.uint64 and table.device == t.device and table.data_ptr() == dev
+        assert table.cpu().view(torch.int64).tolist() == ptrs
+        assert _at(dev, world, "<i8").clone().cpu().tolist() == ptrs
+    again = symm.rendezvous(t)  # cached: the same device tables
+    assert (again.buffer_ptrs_dev, again.signal_pad_ptrs_dev) == (h.buffer_ptrs_dev, h.signal_pad_ptrs_dev)
+
+    # Torch kernels writing through the raw addresses: element [0, rank] of every rank's copy.
+    t.copy_(expected(rank, (4, 6)).cuda())
+    symm.barrier(device="cuda")
+    for p in range(world):
+        _at(h.buffer_ptrs[p] + 4 * rank, 1, "<f4").fill_(100.0 * rank + p)
+    symm.barrier(device="cuda")
+    want = expected(rank, (4, 6))
+    for r in range(world):
+        want[0, r] = 100.0 * r + rank
+    assert torch.equal(_host(symm, t), want)
+
+    # A view at a storage offset, get_buffer, and the SymmDeviceHandle bytes.
+    v = t[2, 1:]
+    hv = symm.rendezvous(v)
+    assert hv.offset == 13 * 4 and hv.buffer_size == 11 * 4 and hv.buffer_ptrs[rank] == v.data_ptr()
+    assert hv.buffer_ptrs == [p + hv.offset for p in h.buffer_ptrs]
+    assert hv.buffer_ptrs_tensor.cpu().view(torch.int64).tolist() == hv.buffer_ptrs
+    want_other = expected(other, (4, 6))
+    for r in range(world):
+        want_other[0, r] = 100.0 * r + other
+    row = h.get_buffer(other, (6,), torch.float32, storage_offset=6)
+    assert row.device == t.device and row.data_ptr() == h.buffer_ptrs[other] + 24
+    assert torch.equal(_host(symm, row), want_other[1])
+    assert torch.equal(_host(symm, hv.get_buffer(other, 3, torch.float32, storage_offset=2)), want_other[2, 3:6])
+    for handle, channel in ((h, 2), (hv, 0)):
+        d = _decode_device_handle(symm, handle.device_handle(channel))
+        assert d["peer_ptrs"][:world] == handle.buffer_ptrs
+        assert d["signal_pads"][:world] == [handle.signal_slot_ptr(r, 0, channel) for r in range(world)]
+        assert (d["rank"], d["local_size"], d["size"], d["signal_stride"]) == (rank, world, handle.buffer_size, 2)
+    symm.barrier(device="cuda")
+
+    # A kernel's store into slot (channel 1, sender 0) of rank 1's pad is what its wait_signal
+    # takes; crossbar's signal on channel 3 lands in the slot the layout names.
+    if rank == 0:
+        _at(h.buffer_ptrs[1] + 4 * 18, 1, "<f4").fill_(555.0)  # rank 1's [3, 0]
+        _at(h.signal_slot_ptr(1, 0, 1), 1, "<i8").add_(1)  # after it, in stream order
+        symm.signal(t, 1, channel=3)
+    else:
+        symm.wait_signal(t, 0, channel=1)
+        assert _host(symm, t)[3, 0].item() == 555.0
+    symm.barrier(device="cuda")
+    got = _host(symm, _at(h.signal_slot_ptr(rank, other, 3), 1, "<i8").clone()).item()
+    assert got == (1 if rank == 1 else 0), f"rank {rank}: counter of rank {other} on channel 3 is {got}"
+    if rank == 1:
+        symm.wait_signal(t, 0, channel=3)  # consume it
+
+    # The handle's barrier and signals, on the current stream.
+    h.barrier(channel=4)
+    h.put_signal(other, channel=5)
+    h.wait_signal(other, channel=5)
+    symm.synchronize(timeout=SYNC_S)
+    with pytest.raises(crossbar.InvalidArgument, match="no timeout"):
+        h.barrier(channel=4, timeout=1)
+    with pytest.raises(crossbar.InvalidArgument, match="channel -1 is out of range"):
+        h.device_handle(-1)
+    symm.barrier(device="cuda")
+    symm.synchronize(timeout=SYNC_S)
+
+
+def test_symm_cuda_handle_pointers_pads_device_handle():
+    run_ranks(_handle, 2)
+
+
+def _triton(rank, world):
+    import crossbar.symm as symm
+
+    from symm_triton import put_kernel, signal_kernel
+
+    torch.cuda.set_device(0)
+    t = symm.empty(8, dtype=torch.float32, device="cuda")
+    h = symm.rendezvous(t)
+    symm.barrier(device="cuda")
+    put_kernel[(world,)](h.buffer_ptrs_dev, rank, 100.0 * rank)  # on the current stream
+    symm.barrier(device="cuda")
+    assert _host(symm, t)[:world].tolist() == [100.0 * r + rank for r in range(world)]
+    # Data, then the kernel's signal (release, system scope); the peer's stream waits for it.
+    other = 1 - rank
+    symm.barrier(device="cuda")
+    if rank == 0:
+        put_kernel[(world,)](h.buffer_ptrs_dev, 4, 7.0)  # element [4] of every copy
+        signal_kernel[(1,)](h.signal_slot_ptr(1, 0, 1))
+    else:
+        symm.wait_signal(t, other, channel=1)
+        assert _host(symm, t)[4].item() == 8.0  # 7 + its rank
+    symm.barrier(device="cuda")
+    symm.synchronize(timeout=SYNC_S)
+
+
+def test_symm_cuda_handle_triton_kernel():
+    pytest.importorskip("triton")
+    run_ranks(_triton, 2)

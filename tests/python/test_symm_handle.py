@@ -182,3 +182,27 @@ def _virtual_nodes(rank, world):
 
 def test_symm_handle_off_node_ranks_are_not_mapped():
     run_ranks(_virtual_nodes, 2)
+
+
+def _triton_interpreted(rank, world):
+    import crossbar.symm as symm
+
+    from symm_triton import put_kernel, signal_kernel  # interpreted: TRITON_INTERPRET=1 (set by the test)
+
+    t = symm.empty(8, dtype=torch.float32)
+    h = symm.rendezvous(t)
+    symm.barrier()
+    put_kernel[(world,)](h.buffer_ptrs_dev, rank, 100.0 * rank)
+    symm.barrier()
+    assert t[:world].tolist() == [100.0 * r + rank for r in range(world)], f"rank {rank}: {t}"
+    # A kernel's signal (an atomic add on the slot) is what wait_signal consumes.
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    signal_kernel[(1,)](h.signal_slot_ptr(nxt, rank, 1))
+    symm.wait_signal(t, prv, channel=1, timeout=WAIT_S)
+    symm.barrier()
+
+
+def test_symm_handle_triton_kernel_interpreted(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks import symm_triton interpreted
+    run_ranks(_triton_interpreted, 2)
