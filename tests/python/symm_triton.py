@@ -23,3 +23,15 @@ def signal_kernel(slot_ptr):
     # release order at system scope, after the data this rank wrote before it.
     slot = slot_ptr.to(tl.pointer_type(tl.int64))
     tl.atomic_add(slot, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def handle_signal_kernel(handle_dev, to, rank, pads_word, stride_word):
+    # Signals rank `to` through a crossbar::cuda::SymmDeviceHandle copied to the GPU, as the
+    # struct's outboxSlot(to) does: signal_pads[to] + rank * signal_stride (uint64 words).
+    # pads_word / stride_word: where signal_pads (uint64 words) and signal_stride (int32 words)
+    # are in the struct (crossbar.symm.DEVICE_HANDLE_LAYOUT).
+    words = handle_dev.to(tl.pointer_type(tl.int64))
+    pad = tl.load(words + pads_word + to).to(tl.pointer_type(tl.int64))
+    stride = tl.load(handle_dev.to(tl.pointer_type(tl.int32)) + stride_word)
+    tl.atomic_add(pad + rank * stride, 1, sem="release", scope="sys")

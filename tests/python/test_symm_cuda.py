@@ -272,7 +272,7 @@ def test_symm_cuda_handle_pointers_pads_device_handle():
 def _triton(rank, world):
     import crossbar.symm as symm
 
-    from symm_triton import put_kernel, signal_kernel
+    from symm_triton import handle_signal_kernel, put_kernel, signal_kernel
 
     torch.cuda.set_device(0)
     t = symm.empty(8, dtype=torch.float32, device="cuda")
@@ -290,6 +290,18 @@ def _triton(rank, world):
     else:
         symm.wait_signal(t, other, channel=1)
         assert _host(symm, t)[4].item() == 8.0  # 7 + its rank
+    symm.barrier(device="cuda")
+
+    # The SymmDeviceHandle bytes on the GPU, used by kernels: its peer_ptrs (the struct's first
+    # words) as the put table, and its signal_pads / signal_stride to signal the peer (channel 6).
+    lay = symm.DEVICE_HANDLE_LAYOUT
+    dh = torch.frombuffer(bytearray(h.device_handle(6)), dtype=torch.uint8).cuda()
+    assert lay["peer_ptrs"] == 0
+    put_kernel[(world,)](dh.data_ptr(), 5 + rank, 20.0 * rank)  # element [5 + rank] of every copy
+    handle_signal_kernel[(1,)](dh.data_ptr(), other, rank, lay["signal_pads"] // 8, lay["signal_stride"] // 4)
+    symm.wait_signal(t, other, channel=6)  # the peer's kernel signal, after its put
+    got = _host(symm, t)[5 : 5 + world].tolist()
+    assert got == [20.0 * r + rank for r in range(world)], f"rank {rank}: {got}"
     symm.barrier(device="cuda")
     symm.synchronize(timeout=SYNC_S)
 
