@@ -13,6 +13,7 @@
 //                   [--experts 256] [--topk 8] [--max-nodes M] [--formats native,fp8]
 //                   [--rate auto|<tc rate, e.g. 2gbit>] [--queue-ms 200] [--iters 5] [--warmup 1]
 //                   [--combine-wire bf16|f32] [--no-netns] [--phases] [--fresh-output] [--no-flat]
+//                   [--fp8-io dequantized|quantized|both]
 //
 // Every run first checks that both paths deliver the same tokens (bit for bit) and the same
 // combine sums (f32 tolerance); a mismatch exits 1. Times: the median over iterations of
@@ -68,6 +69,10 @@ struct Options {
   // still run once per format for the correctness check.
   bool no_flat = false;
   std::vector<PayloadFormat> formats{PayloadFormat::kNative, PayloadFormat::kFp8};
+  // How fp8 / mxfp8 dispatch takes and returns tokens: dequantized (bf16 x in, encoded in
+  // dispatch; decoded back to bf16 x at the receiver) and/or quantized (DeepEP's fp8 path: x
+  // quantized once before timing, sent as is; the receiver gets codes + scales, no decode).
+  bool io_dequantized = true, io_quantized = false;
 };
 
 // ---------------------------------------------------------------- network namespaces
@@ -486,6 +491,13 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
                   o.max_nodes > 0 ? std::to_string(o.max_nodes) : std::string("no limit"), o.tokens, o.hidden,
                   o.combine_wire == DataType::kFloat32 ? "f32" : "bf16",
                   o.fresh_output ? "fresh" : "recycled"));
+  print(fmt::format("# fp8/mxfp8 io: {}\n",
+                    o.io_quantized && o.io_dequantized
+                        ? "both: dequantized (bf16 x in and out, codec in dispatch) and quantized rows "
+                          "'fp8/q' (DeepEP-style: x quantized once before timing, codes + scales out)"
+                        : o.io_quantized ? "quantized (DeepEP-style: x quantized once before timing, codes + "
+                                           "scales in and out, no codec in dispatch)"
+                                         : "dequantized (bf16 x in and out: encode and decode in dispatch)"));
   print(fmt::format("# {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>10} {:>10}\n", "format",
                     "2l disp", "2l comb", "2l total", "flat disp", "flat comb", "flat total", "speedup",
                     "2l net MB", "flat MB"));
@@ -501,9 +513,17 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
   std::vector<BFloat16> x(o.tokens * o.hidden);
   for (size_t i = 0; i < x.size(); ++i)
     x[i] = BFloat16::fromFloat(static_cast<float>(static_cast<int>((i * 37 + me * 11) % 97) - 48) / 16.0f);
-  std::map<PayloadFormat, double> disp_of, total_of, flat_total_of;
+  // Keyed by (format, quantized io).
+  std::map<std::pair<PayloadFormat, bool>, double> disp_of, total_of, flat_total_of;
   int failures = 0;
+  std::vector<std::pair<PayloadFormat, bool>> runs;
   for (PayloadFormat f : o.formats) {
+    if (f == PayloadFormat::kNative || o.io_dequantized) runs.emplace_back(f, false);
+    if (f != PayloadFormat::kNative && o.io_quantized) runs.emplace_back(f, true);
+  }
+  for (auto [f, qio] : runs) {
+    const std::string fname =
+        std::string(f == PayloadFormat::kNative ? "bf16" : payloadFormatName(f)) + (qio ? "/q" : "");
     MoeConfig cfg;
     cfg.max_tokens = o.tokens;
     cfg.hidden = o.hidden;
@@ -519,6 +539,26 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     cfg.combine_wire = o.combine_wire;
     cfg.expert_major_copy = false;  // the flat path returns rows by source too
     auto buf = MoeBuffer::create(comm, cfg);
+    // Quantized io: x quantized once here, as DeepEP's test does before timing.
+    std::vector<uint8_t> xq_payload, xq_scales;
+    QuantizedTokens xq;
+    if (qio) {
+      const PayloadCodec codec = payloadCodec(f);
+      xq.format = f;
+      xq.payload_row_bytes = payloadBytes(codec, o.hidden);
+      xq.scale_row_bytes = scaleBytes(codec, o.hidden);
+      xq_payload.resize(o.tokens * xq.payload_row_bytes);
+      xq_scales.resize(o.tokens * xq.scale_row_bytes + 4);
+      std::vector<float> sc(xq.scale_row_bytes / 4 + 1);
+      for (size_t t = 0; t < o.tokens; ++t) {
+        quantizeRow(codec, x.data() + t * o.hidden, o.hidden, xq_payload.data() + t * xq.payload_row_bytes,
+                    sc.data());
+        std::memcpy(xq_scales.data() + t * xq.scale_row_bytes, sc.data(), xq.scale_row_bytes);
+      }
+      xq.payload = xq_payload.data();
+      xq.scales = xq_scales.data();
+    }
+    std::vector<BFloat16> y_q;  // quantized io: the experts' bf16 outputs (decoded, not timed)
     if (!err.empty())
       std::fprintf(stderr, "moe_netns_bench: MISMATCH (%s): %s\n", payloadFormatName(f), err.c_str());
     if (maxOf(err.empty() ? 0.0 : 1.0) > 0) {
@@ -535,12 +575,28 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
       const bool timed = it >= o.warmup;
       comm->barrier();
       auto t0 = Clock::now();
-      DispatchResult d = buf->dispatch(x.data(), o.tokens, routing.topk_idx.data(), routing.topk_weights.data(),
-                                       nullptr, o.fresh_output ? nullptr : &spare);
+      MoeBuffer::DispatchArgs args;
+      args.tokens = o.tokens;
+      args.x = qio ? nullptr : x.data();
+      args.x_quantized = qio ? &xq : nullptr;
+      args.topk_idx = routing.topk_idx.data();
+      args.topk_weights = routing.topk_weights.data();
+      args.recycle = o.fresh_output ? nullptr : &spare;
+      args.output = qio ? RecvOutput::kQuantized : RecvOutput::kConfig;
+      DispatchResult d = buf->dispatch(args);
       auto t1 = Clock::now();
+      const void* y2 = d.x.data();
+      if (qio) {
+        // The experts' work (not timed): their bf16 outputs, here the dequantized rows.
+        y_q.resize(d.num_recv * o.hidden);
+        for (size_t i = 0; i < d.num_recv; ++i)
+          dequantizeRow(payloadCodec(f), d.q_payload.data() + i * xq.payload_row_bytes,
+                        d.q_scales.data() + i * xq.scale_row_bytes, o.hidden, y_q.data() + i * o.hidden, 1.0f);
+        y2 = y_q.data();
+      }
       comm->barrier();
       auto t2 = Clock::now();
-      CombineResult c = buf->combine(d.x.data(), DataType::kBFloat16, *d.handle);
+      CombineResult c = buf->combine(y2, DataType::kBFloat16, *d.handle);
       auto t3 = Clock::now();
       comm->barrier();
       auto t4 = Clock::now();
@@ -594,8 +650,7 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     if (o.phases) {
       // Slowest rank's mean per phase: where the two-level time goes.
       auto line = [&](const char* what, const std::vector<const char*>& names, std::vector<double>& acc) {
-        std::string s = fmt::format("#   {} 2l {}:", f == PayloadFormat::kNative ? "bf16" : payloadFormatName(f),
-                                    what);
+        std::string s = fmt::format("#   {} 2l {}:", fname, what);
         acc.resize(names.size(), 0.0);
         for (size_t i = 0; i < names.size(); ++i) {
           const double v = maxOf(acc[i] / o.iters) * 1e3;
@@ -609,21 +664,23 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     net2 = sumOf(net2) / R / 1e6;
     netf = sumOf(netf) / R / 1e6;
     const double two = t[0] + t[1], fl = t[2] + t[3];
-    disp_of[f] = t[0];
-    total_of[f] = two;
-    flat_total_of[f] = fl;
+    disp_of[{f, qio}] = t[0];
+    total_of[{f, qio}] = two;
+    flat_total_of[{f, qio}] = fl;
     print(
         fmt::format("  {:>7} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>10.2f} {:>7.2f}x {:>10.2f} "
                     "{:>10.2f}\n",
-                    f == PayloadFormat::kNative ? "bf16" : payloadFormatName(f), t[0], t[1], two, t[2], t[3],
+                    fname, t[0], t[1], two, t[2], t[3],
                     fl, fl / two, net2, netf));
   }
-  if (total_of.count(PayloadFormat::kNative) && !o.no_flat)
+  const std::pair bf16{PayloadFormat::kNative, false};
+  if (total_of.count(bf16) && !o.no_flat)
     print(fmt::format("# two-level vs flat, bf16 dispatch+combine: {:.2f}x (target >= 2x)\n",
-                      flat_total_of[PayloadFormat::kNative] / total_of[PayloadFormat::kNative]));
-  if (disp_of.count(PayloadFormat::kNative) && disp_of.count(PayloadFormat::kFp8))
-    print(fmt::format("# fp8 vs bf16 two-level dispatch: {:.2f}x (target >= 1.7x)\n",
-                      disp_of[PayloadFormat::kNative] / disp_of[PayloadFormat::kFp8]));
+                      flat_total_of[bf16] / total_of[bf16]));
+  for (bool qio : {false, true})
+    if (disp_of.count(bf16) && disp_of.count({PayloadFormat::kFp8, qio}))
+      print(fmt::format("# fp8 vs bf16 two-level dispatch ({} io): {:.2f}x (target >= 1.7x)\n",
+                        qio ? "quantized" : "dequantized", disp_of[bf16] / disp_of[{PayloadFormat::kFp8, qio}]));
   return failures ? 1 : 0;
 }
 
@@ -685,7 +742,13 @@ int main(int argc, char** argv) {
         o.phases = true;
       else if (a == "--fresh-output")
         o.fresh_output = true;
-      else if (a == "--no-flat")
+      else if (a == "--fp8-io") {
+        const std::string m = next();
+        if (m != "dequantized" && m != "quantized" && m != "both")
+          throw InvalidArgument("--fp8-io: dequantized, quantized or both");
+        o.io_dequantized = m != "quantized";
+        o.io_quantized = m != "dequantized";
+      } else if (a == "--no-flat")
         o.no_flat = true;
       else if (a == "--formats") {
         o.formats.clear();
@@ -703,7 +766,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr,
                      "usage: %s [--nodes N] [--ranks-per-node L] [--tokens T] [--hidden H] [--experts E] "
                      "[--topk k] [--max-nodes M] [--formats bf16,fp8,mxfp8] [--rate auto|2gbit] [--queue-ms ms] [--iters n] "
-                     "[--warmup n] [--combine-wire bf16|f32] [--no-netns] [--phases] [--fresh-output] [--no-flat]\n",
+                     "[--warmup n] [--combine-wire bf16|f32] [--no-netns] [--phases] [--fresh-output] [--no-flat] "
+                     "[--fp8-io dequantized|quantized|both]\n",
                      argv[0]);
         return a == "--help" || a == "-h" ? 0 : 2;
       }
