@@ -147,9 +147,13 @@ def synchronize(device="cuda", timeout=None) -> None:
     _C._symm.synchronize(index, 300.0 if seconds is None else seconds)
 
 
-# Offsets of cuda::SymmDeviceHandle's fields (symmem/cuda/device_handle.h) and its size, in
-# bytes, as this build lays it out: SymmHandle.device_handle() returns those bytes.
-DEVICE_HANDLE_LAYOUT: dict = dict(_C._symm.device_handle_layout())
+def __getattr__(name: str):
+    # DEVICE_HANDLE_LAYOUT: offsets of cuda::SymmDeviceHandle's fields
+    # (symmem/cuda/device_handle.h) and its size ("size"), in bytes, as this build lays it out;
+    # SymmHandle.device_handle() returns those bytes. Read from _C on use, not at import.
+    if name == "DEVICE_HANDLE_LAYOUT":
+        return dict(_C._symm.device_handle_layout())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class SymmHandle:
