@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "collectives/moe/host_codec.h"
 #include "collectives/moe/moe.h"
 #include "collectives/moe/moe_plan.h"
 #include "comm/errors.h"
@@ -150,9 +151,28 @@ PayloadFormat formatOf(const std::string& s) {
 // moves to the next result's memory, which this one keeps alive from then on (its tensors
 // still view it, now with the new result's bytes: torch's out= semantics).
 struct ResultMemory {
-  std::vector<uint8_t> x, x_expert_major, q_payload, q_scales;
+  std::vector<uint8_t> x, x_expert_major, q_payload, q_scales, q_payload_expert_major, q_scales_expert_major;
   std::vector<std::shared_ptr<ResultMemory>> heirs;  // hold memory handed on by out=
 };
+
+// Moves the large arrays between a ResultMemory and a DispatchResult (either way).
+template <class From, class To>
+void moveArrays(From& from, To& to) {
+  to.x = std::move(from.x);
+  to.x_expert_major = std::move(from.x_expert_major);
+  to.q_payload = std::move(from.q_payload);
+  to.q_scales = std::move(from.q_scales);
+  to.q_payload_expert_major = std::move(from.q_payload_expert_major);
+  to.q_scales_expert_major = std::move(from.q_scales_expert_major);
+}
+
+moe::RecvOutput recvOutputOf(const std::string& s) {
+  if (s == "config") return moe::RecvOutput::kConfig;
+  if (s == "dequantized") return moe::RecvOutput::kDequantized;
+  if (s == "quantized") return moe::RecvOutput::kQuantized;
+  if (s == "both") return moe::RecvOutput::kBoth;
+  throw InvalidArgument("output '" + s + "': use config, dequantized, quantized or both");
+}
 struct PyResultMemory {
   std::shared_ptr<ResultMemory> memory;
 };
@@ -264,15 +284,42 @@ class PyBuffer {
     return d;
   }
 
-  py::dict dispatch(const at::Tensor& x, const at::Tensor& topk_idx, const std::optional<at::Tensor>& weights,
-                    const std::optional<PyHandle>& cached, const std::optional<PyResultMemory>& out) {
+  // x: [tokens, hidden] in the buffer's dtype, or none with xq_payload / xq_scales: a
+  // pre-quantized x as byte tensors [tokens, bytes per row] (crossbar/moe.py views the caller's
+  // float8 / float32 tensors as bytes; MoeBuffer checks the row sizes against the format).
+  // output: "config", "dequantized", "quantized" or "both" (moe::RecvOutput).
+  py::dict dispatch(const std::optional<at::Tensor>& x, const at::Tensor& topk_idx,
+                    const std::optional<at::Tensor>& weights, const std::optional<PyHandle>& cached,
+                    const std::optional<PyResultMemory>& out, const std::optional<at::Tensor>& xq_payload,
+                    const std::optional<at::Tensor>& xq_scales, double xq_global_scale, const std::string& output) {
     const auto& cfg = config();
-    requireOnDevice(x, cuda_device_, "x");
     requireIdx(topk_idx, cuda_device_);
-    if (x.dim() != 2 || x.size(1) != static_cast<int64_t>(cfg.hidden) || x.size(0) != topk_idx.size(0))
-      throw InvalidArgument("x must be [tokens, hidden] with tokens = topk_idx.shape[0] and hidden = " +
-                            std::to_string(cfg.hidden));
-    if (dataTypeOf(x, "x") != cfg.dtype) throw InvalidArgument("x's dtype differs from the buffer's dtype");
+    const moe::RecvOutput recv = recvOutputOf(output);
+    moe::QuantizedTokens xq;
+    if (x.has_value() == (xq_payload.has_value() || xq_scales.has_value()))
+      throw InvalidUsage("dispatch: pass x or a pre-quantized x (codes, scales), one of them");
+    if (x) {
+      requireOnDevice(*x, cuda_device_, "x");
+      if (x->dim() != 2 || x->size(1) != static_cast<int64_t>(cfg.hidden) || x->size(0) != topk_idx.size(0))
+        throw InvalidArgument("x must be [tokens, hidden] with tokens = topk_idx.shape[0] and hidden = " +
+                              std::to_string(cfg.hidden));
+      if (dataTypeOf(*x, "x") != cfg.dtype) throw InvalidArgument("x's dtype differs from the buffer's dtype");
+    } else {
+      if (!xq_payload || !xq_scales) throw InvalidUsage("dispatch: a pre-quantized x needs codes and scales");
+      for (const at::Tensor* t : {&*xq_payload, &*xq_scales}) {
+        requireOnDevice(*t, cuda_device_, t == &*xq_payload ? "x's codes" : "x's scales");
+        if (t->scalar_type() != at::kByte || t->dim() != 2 || t->size(0) != topk_idx.size(0))
+          throw InvalidUsage(std::string("dispatch: pre-quantized x's ") + (t == &*xq_payload ? "codes" : "scales") +
+                             " must be [tokens, ...] with tokens = topk_idx.shape[0] = " +
+                             std::to_string(topk_idx.size(0)));
+      }
+      xq.format = cfg.format;  // crossbar/moe.py matched the tensors' dtypes to the buffer's format
+      xq.payload = xq_payload->data_ptr();
+      xq.scales = xq_scales->data_ptr();
+      xq.payload_row_bytes = static_cast<size_t>(xq_payload->size(1));
+      xq.scale_row_bytes = static_cast<size_t>(xq_scales->size(1));
+      xq.global_scale = static_cast<float>(xq_global_scale);
+    }
     const float* w = nullptr;
     if (weights) {
       requireOnDevice(*weights, cuda_device_, "topk_weights");
@@ -281,7 +328,12 @@ class PyBuffer {
       w = weights->data_ptr<float>();
     }
 #if CROSSBAR_MOE_CUDA_TENSORS
-    if (cuda_) return dispatchCuda(x, topk_idx, weights, w, cached);
+    if (cuda_) {
+      if (!x || (recv != moe::RecvOutput::kConfig && recv != moe::RecvOutput::kDequantized))
+        throw Unsupported("crossbar.moe on CUDA tensors: pre-quantized x and quantized-only output are not "
+                          "implemented on the CUDA path yet (host path only); pass x and use return_quantized");
+      return dispatchCuda(*x, topk_idx, weights, w, cached);
+    }
 #endif
     DispatchResult r;
     auto mem = std::make_shared<ResultMemory>();
@@ -289,37 +341,29 @@ class PyBuffer {
       py::gil_scoped_release release;
       DispatchResult spare;
       ResultMemory* old = out && out->memory ? out->memory.get() : nullptr;
-      if (old) {
-        spare.x = std::move(old->x);
-        spare.x_expert_major = std::move(old->x_expert_major);
-        spare.q_payload = std::move(old->q_payload);
-        spare.q_scales = std::move(old->q_scales);
-      }
+      if (old) moveArrays(*old, spare);
+      MoeBuffer::DispatchArgs a;
+      a.tokens = static_cast<size_t>(topk_idx.size(0));
+      a.x = x ? x->data_ptr() : nullptr;
+      a.x_quantized = x ? nullptr : &xq;
+      a.topk_idx = topk_idx.data_ptr<int64_t>();
+      a.topk_weights = w;
+      a.cached = cached ? cached->handle : nullptr;
+      a.recycle = old ? &spare : nullptr;
+      a.output = recv;
       try {
-        r = buf_->dispatch(x.data_ptr(), static_cast<size_t>(x.size(0)), topk_idx.data_ptr<int64_t>(), w,
-                           cached ? cached->handle : nullptr, old ? &spare : nullptr);
+        r = buf_->dispatch(a);
       } catch (...) {
         // A dispatch that throws leaves the recycled arrays in `spare` (moe.h): back to the
         // old tensors' memory.
-        if (old) {
-          old->x = std::move(spare.x);
-          old->x_expert_major = std::move(spare.x_expert_major);
-          old->q_payload = std::move(spare.q_payload);
-          old->q_scales = std::move(spare.q_scales);
-        }
+        if (old) moveArrays(spare, *old);
         throw;
       }
-      mem->x = std::move(r.x);
-      mem->x_expert_major = std::move(r.x_expert_major);
-      mem->q_payload = std::move(r.q_payload);
-      mem->q_scales = std::move(r.q_scales);
+      moveArrays(r, *mem);
       if (old) {
         // What dispatch did not take stays with the old tensors; what it took (never
         // reallocated) now belongs to `mem`, which the old tensors then need alive.
-        old->x = std::move(spare.x);
-        old->x_expert_major = std::move(spare.x_expert_major);
-        old->q_payload = std::move(spare.q_payload);
-        old->q_scales = std::move(spare.q_scales);
+        moveArrays(spare, *old);
         old->heirs.push_back(mem);
       }
     }
@@ -327,7 +371,12 @@ class PyBuffer {
     const int64_t le = buf_->numLocalExperts(), m = static_cast<int64_t>(r.expert_rows.size());
     const at::ScalarType st = scalarType(cfg.dtype);
     py::dict d;
-    d["x"] = viewBytes(mem->x, mem).view(st).view({n, H});
+    // The forms this call returned (moe::RecvOutput): x, the quantized rows, or both.
+    const bool has_x = recv != moe::RecvOutput::kQuantized;
+    const bool has_q = cfg.format != PayloadFormat::kNative &&
+                       (recv == moe::RecvOutput::kQuantized || recv == moe::RecvOutput::kBoth ||
+                        (recv == moe::RecvOutput::kConfig && cfg.return_quantized));
+    if (has_x) d["x"] = viewBytes(mem->x, mem).view(st).view({n, H});
     d["src_rank"] = toTensor(r.src_rank, at::kInt, {n});
     d["src_token"] = toTensor(r.src_token, at::kInt, {n});
     d["recv_per_rank"] = toTensor(r.recv_per_rank, at::kInt, {static_cast<int64_t>(r.recv_per_rank.size())});
@@ -337,8 +386,8 @@ class PyBuffer {
     d["expert_offsets"] = toTensor(r.expert_offsets, at::kInt, {le + 1});
     d["expert_rows"] = toTensor(r.expert_rows, at::kInt, {m});
     d["expert_weights"] = toTensor(r.expert_weights, at::kFloat, {m});
-    d["x_expert_major"] = viewBytes(mem->x_expert_major, mem).view(st).view({m, H});
-    if (!mem->q_payload.empty() || (cfg.return_quantized && cfg.format != PayloadFormat::kNative)) {
+    if (has_x) d["x_expert_major"] = viewBytes(mem->x_expert_major, mem).view(st).view({m, H});
+    if (has_q) {
       // Widths from the row format (also right for n = 0, where the caller's dtype views of
       // the scales need a whole number of elements per row).
       const moe::RowFormat rf = moe::makeRowFormat(cfg);
@@ -346,6 +395,10 @@ class PyBuffer {
       d["q_payload"] = viewBytes(mem->q_payload, mem).view({n, pb});
       d["q_scales"] = viewBytes(mem->q_scales, mem).view({n, sb});
       d["q_global_scale"] = toTensor(r.q_global_scale, at::kFloat, {n});
+      if (cfg.expert_major_copy) {
+        d["q_payload_expert_major"] = viewBytes(mem->q_payload_expert_major, mem).view({m, pb});
+        d["q_scales_expert_major"] = viewBytes(mem->q_scales_expert_major, mem).view({m, sb});
+      }
     }
     d["metrics"] = metricsDict(r.metrics);
     PyHandle h;
@@ -543,6 +596,69 @@ class PyBuffer {
 #endif
 };
 
+// crossbar.moe.quantize: x [tokens, hidden] (CPU bf16 / f32) with the host encoder MoeBuffer
+// uses (same bytes): (codes [tokens, payload bytes], scales [tokens, scale bytes], nvfp4
+// global scale of the whole tensor, else 1).
+py::tuple quantizeTokens(const at::Tensor& x, const std::string& format) {
+  const PayloadFormat f = formatOf(format);
+  if (f == PayloadFormat::kNative) throw InvalidArgument("quantize: 'native' has no quantized form");
+  requireOnDevice(x, -1, "x");
+  const DataType dt = dataTypeOf(x, "x");
+  if (x.dim() != 2) throw InvalidArgument("quantize: x must be [tokens, hidden]");
+  const PayloadCodec c = moe::payloadCodec(f);
+  const auto T = static_cast<size_t>(x.size(0)), H = static_cast<size_t>(x.size(1));
+  const size_t pb = payloadBytes(c, H), sb = scaleBytes(c, H);
+  at::Tensor codes = at::empty({static_cast<int64_t>(T), static_cast<int64_t>(pb)}, at::kByte);
+  at::Tensor scales = at::empty({static_cast<int64_t>(T), static_cast<int64_t>(sb)}, at::kByte);
+  float g = 1.0f;
+  {
+    py::gil_scoped_release release;
+    const auto* bf = dt == DataType::kBFloat16 ? static_cast<const BFloat16*>(x.data_ptr()) : nullptr;
+    const auto* f32 = dt == DataType::kFloat32 ? x.data_ptr<float>() : nullptr;
+    if (f == PayloadFormat::kNvfp4)
+      g = nvfp4GlobalScale(bf ? moe::tensorAmaxHost(bf, T * H) : moe::tensorAmaxHost(f32, T * H));
+    std::vector<float> sc(sb / 4 + 1);  // 4-byte aligned scales of one row
+    for (size_t t = 0; t < T; ++t) {
+      uint8_t* p = codes.data_ptr<uint8_t>() + t * pb;
+      if (bf)
+        moe::encodeRowHost(c, bf + t * H, H, p, sc.data(), g);
+      else
+        moe::encodeRowHost(c, f32 + t * H, H, p, sc.data(), g);
+      std::memcpy(scales.data_ptr<uint8_t>() + t * sb, sc.data(), sb);
+    }
+  }
+  return py::make_tuple(codes, scales, g);
+}
+
+// crossbar.moe.dequantize: the host decoder MoeBuffer uses; global_scale f32 [tokens].
+at::Tensor dequantizeTokens(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& global_scale,
+                            const std::string& format, const std::string& dtype) {
+  const PayloadFormat f = formatOf(format);
+  if (f == PayloadFormat::kNative) throw InvalidArgument("dequantize: 'native' has no quantized form");
+  const PayloadCodec c = moe::payloadCodec(f);
+  const int64_t T = codes.size(0);
+  const size_t pb = static_cast<size_t>(codes.size(1)), sb = static_cast<size_t>(scales.size(1));
+  const size_t H = f == PayloadFormat::kNvfp4 ? 2 * pb : pb;
+  if (scales.size(0) != T || sb != scaleBytes(c, H) || global_scale.numel() != T ||
+      global_scale.scalar_type() != at::kFloat)
+    throw InvalidUsage("dequantize: codes [tokens, " + std::to_string(pb) + " B] need scales [tokens, " +
+                       std::to_string(scaleBytes(c, H)) + " B] and a float32 global scale per token");
+  const bool f32 = dtype == "float32";
+  at::Tensor out = at::empty({T, static_cast<int64_t>(H)}, f32 ? at::kFloat : at::kBFloat16);
+  py::gil_scoped_release release;
+  std::vector<float> sc(sb / 4 + 1);
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(sc.data(), scales.data_ptr<uint8_t>() + t * sb, sb);
+    const uint8_t* p = codes.data_ptr<uint8_t>() + t * pb;
+    const float g = global_scale.data_ptr<float>()[t];
+    if (f32)
+      moe::decodeRowHost(c, p, sc.data(), H, out.data_ptr<float>() + t * H, g);
+    else
+      moe::decodeRowHost(c, p, sc.data(), H, static_cast<BFloat16*>(out.data_ptr()) + t * H, g);
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace crossbar::torch_backend
 
@@ -550,6 +666,9 @@ void bindMoe(py::module_& m) {
   using namespace crossbar::torch_backend;
   auto s = m.def_submodule("_moe", "MoE dispatch/combine (see crossbar.moe)");
   s.attr("cuda") = py::bool_(CROSSBAR_MOE_CUDA_TENSORS != 0);  // CUDA tensors supported by this build
+  s.def("quantize", &quantizeTokens, py::arg("x"), py::arg("format"));
+  s.def("dequantize", &dequantizeTokens, py::arg("codes"), py::arg("scales"), py::arg("global_scale"),
+        py::arg("format"), py::arg("dtype"));
   py::class_<PyHandle>(s, "Handle").def_property_readonly("num_recv", &PyHandle::numRecv);
   py::class_<PyResultMemory>(s, "ResultMemory");  // opaque: Dispatched._memory, for dispatch(out=)
   py::class_<PyBuffer>(s, "Buffer")
@@ -561,7 +680,9 @@ void bindMoe(py::module_& m) {
            py::arg("combine_wire"), py::arg("cuda_device") = -1)
       .def("layout", &PyBuffer::layout)
       .def("dispatch", &PyBuffer::dispatch, py::arg("x"), py::arg("topk_idx"), py::arg("weights"),
-           py::arg("cached"), py::arg("out") = std::nullopt)
+           py::arg("cached"), py::arg("out") = std::nullopt, py::arg("xq_payload") = std::nullopt,
+           py::arg("xq_scales") = std::nullopt, py::arg("xq_global_scale") = 1.0,
+           py::arg("output") = "config")
       .def("combine", &PyBuffer::combine)
       .def("combine_expert_major", &PyBuffer::combineExpertMajor)
       .def_property_readonly("device", &PyBuffer::device)

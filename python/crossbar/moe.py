@@ -13,6 +13,13 @@ once per destination node, then inside the node through shared memory).
     y = run_experts(d)                                   # [num_recv, hidden]
     out = buf.combine(y, d.handle)                       # [tokens, hidden] float32, collective
 
+DeepEP-style quantized dispatch (DeepSeek-V3 with fp8 expert GEMMs)::
+
+    buf = moe.Buffer(..., payload="fp8")
+    codes, scales = moe.quantize(x, "fp8")               # once, outside the hot loop
+    d = buf.dispatch((codes, scales), idx, w)            # sent as is: no encode
+    recv_codes, recv_scales = d.x_quantized              # no decode, no bf16 copy (d.x is None)
+
 Expert ``e`` lives on rank ``e // (num_experts // world)``. Payloads: ``"native"`` (x's own
 bf16/f32, bit exact), ``"fp8"`` (e4m3 + one f32 scale per 128 channels), ``"mxfp8"`` (e4m3 +
 E8M0 scale per 32), ``"nvfp4"`` (e2m1 + e4m3 scale per 16 + an f32 per-tensor scale). Every
@@ -38,7 +45,7 @@ import torch
 from . import _C
 from ._group import crossbar_backend
 
-__all__ = ["Buffer", "Dispatched", "Layout", "PAYLOADS"]
+__all__ = ["Buffer", "Dispatched", "Layout", "PAYLOADS", "quantize", "dequantize"]
 
 PAYLOADS = ("native", "bf16", "fp8", "mxfp8", "nvfp4")
 
@@ -53,7 +60,7 @@ class Layout:
 
 @dataclasses.dataclass
 class Dispatched:
-    x: torch.Tensor  # [num_recv, hidden] in the buffer's dtype (dequantized)
+    x: torch.Tensor | None  # [num_recv, hidden] in the buffer's dtype (dequantized); None: quantized only
     src_rank: torch.Tensor  # int32 [num_recv]
     src_token: torch.Tensor  # int32 [num_recv]
     recv_per_rank: torch.Tensor  # int32 [world]
@@ -63,7 +70,7 @@ class Dispatched:
     expert_offsets: torch.Tensor  # int32 [local experts + 1]
     expert_rows: torch.Tensor  # int32: row of x each expert-major row copies
     expert_weights: torch.Tensor  # float32: its weight
-    x_expert_major: torch.Tensor  # [expert_rows.numel(), hidden]
+    x_expert_major: torch.Tensor | None  # [expert_rows.numel(), hidden]; None with x
     handle: object  # pass to combine() or a cached dispatch()
     metrics: dict
     # return_quantized=True: the wire payload and scales per row, viewed in their torch types
@@ -72,12 +79,21 @@ class Dispatched:
     q_payload: torch.Tensor | None = None
     q_scales: torch.Tensor | None = None
     q_global_scale: torch.Tensor | None = None  # nvfp4's per-tensor scale of the source rank
+    # The same rows in expert-major order (rows of x_expert_major), when the quantized form is returned.
+    q_payload_expert_major: torch.Tensor | None = None
+    q_scales_expert_major: torch.Tensor | None = None
     # CPU path: the memory x / x_expert_major / q_payload / q_scales view (dispatch(out=...)).
     _memory: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def num_recv(self) -> int:
-        return self.x.shape[0]
+        return self.src_rank.shape[0]
+
+    @property
+    def x_quantized(self):
+        """The received tokens as DeepEP's fp8 recv_x: (codes, scales), or None when dispatch
+        returned only the dequantized x."""
+        return None if self.q_payload is None else (self.q_payload, self.q_scales)
 
 
 def cuda_available() -> bool:
@@ -103,6 +119,70 @@ def _device_index(device) -> int:
 def _view(t: torch.Tensor, name: str):
     dtype = getattr(torch, name, None)
     return t.view(dtype) if dtype is not None and t.numel() else t
+
+
+# Per quantized payload: (block size, scale bytes per block, codes' torch dtype name, scales'
+# torch dtype name); codes are one byte per value (nvfp4: two values per byte).
+_CODECS = {
+    "fp8": (128, 4, "float8_e4m3fn", "float32"),
+    "mxfp8": (32, 1, "float8_e4m3fn", "float8_e8m0fnu"),
+    "nvfp4": (16, 1, "uint8", "float8_e4m3fn"),
+}
+
+
+def _typed(payload: str, codes: torch.Tensor, scales: torch.Tensor):
+    """Byte tensors [rows, bytes] of a payload format as the caller sees them."""
+    _, _, cname, sname = _CODECS[payload]
+
+    def typed(t, name):  # also when empty: the dtype tells what the tensor holds
+        dtype = getattr(torch, name, None)
+        return t.view(dtype) if dtype is not None else t
+
+    return typed(codes, cname), typed(scales, sname)
+
+
+def _as_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
+    """A 2-D tensor as bytes per row ([rows, row bytes]), without a copy."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise crossbar_error("InvalidUsage", f"dispatch: pre-quantized x's {what} must be a 2-D tensor [tokens, ...]")
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def crossbar_error(kind: str, msg: str):
+    import crossbar
+
+    return getattr(crossbar, kind, RuntimeError)(msg)
+
+
+def quantize(x: torch.Tensor, payload: str):
+    """x [tokens, hidden] (bf16 / f32, CPU) in a payload format's layout, with the codec the
+    buffer's encoder uses (bit-identical bytes): (codes, scales) for "fp8" (float8_e4m3fn,
+    float32 [tokens, ceil(hidden / 128)]) and "mxfp8" (float8_e4m3fn, float8_e8m0fnu [tokens,
+    ceil(hidden / 32)]); (codes, scales, global_scale) for "nvfp4" (packed uint8 [tokens,
+    ceil(hidden / 2)], float8_e4m3fn [tokens, ceil(hidden / 16)], float). The input
+    Buffer.dispatch takes as a pre-quantized x."""
+    if payload not in _CODECS:
+        raise ValueError(f"payload {payload!r}: one of {tuple(_CODECS)}")
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("x must be a 2-D bfloat16 or float32 tensor")
+    codes, scales, g = _C._moe.quantize(x.cpu().contiguous(), payload)
+    codes, scales = _typed(payload, codes, scales)
+    return (codes, scales, g) if payload == "nvfp4" else (codes, scales)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, payload: str, dtype: torch.dtype = torch.bfloat16,
+               global_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """The inverse of quantize() (the buffer's decoder): [tokens, hidden] of dtype. For nvfp4,
+    global_scale is a float or a per-row tensor (Dispatched.q_global_scale)."""
+    if payload not in _CODECS:
+        raise ValueError(f"payload {payload!r}: one of {tuple(_CODECS)}")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("dtype: torch.bfloat16 or torch.float32")
+    g = global_scale if isinstance(global_scale, torch.Tensor) else torch.full((codes.shape[0],), float(global_scale))
+    return _C._moe.dequantize(
+        _as_bytes(codes.cpu(), "codes"), _as_bytes(scales.cpu(), "scales"), g.to(torch.float32).cpu().contiguous(),
+        payload, "float32" if dtype == torch.float32 else "bfloat16")
 
 
 class Buffer:
@@ -171,14 +251,26 @@ class Buffer:
 
     def dispatch(
         self,
-        x: torch.Tensor,
+        x,
         topk_idx: torch.Tensor,
         topk_weights: torch.Tensor | None = None,
         handle=None,
         *,
         out: Dispatched | None = None,
+        dequantize: bool | None = None,
     ):
         """Sends each token [tokens, hidden] to the ranks of its top-k experts. Collective.
+
+        x: a tensor [tokens, hidden] in the buffer's dtype, or (quantized payloads) already
+        quantized, as DeepEP takes it: a tuple (codes, scales) in the buffer's payload layout
+        (see quantize(): fp8 float8_e4m3fn + float32 [tokens, ceil(hidden / 128)]; mxfp8
+        float8_e4m3fn + float8_e8m0fnu / uint8 [tokens, ceil(hidden / 32)]; nvfp4
+        (codes, scales, global_scale)). Those bytes are sent as they are (no encode).
+        dequantize: None (default): a tuple x gives DeepEP's fp8 recv_x, only the received
+        codes and scales (d.x_quantized / d.q_payload, d.q_scales; d.x is None: no decode, no
+        bf16 copy), a tensor x gives d.x (plus q_* with return_quantized). True: d.x (plus q_*
+        with return_quantized). False: only the quantized rows. Wrong shapes or dtypes raise
+        crossbar.InvalidUsage before any traffic (on every rank that passed them).
 
         topk_idx: [tokens, topk] integer expert ids (-1: none); topk_weights: [tokens, topk]
         (default 1). handle: from an earlier dispatch with the same topk_idx (skips the layout).
@@ -194,19 +286,46 @@ class Buffer:
         idx = topk_idx.to(torch.int64).contiguous()
         w = topk_weights.to(torch.float32).contiguous() if topk_weights is not None else None
         memory = out._memory if out is not None else None
-        d = self._impl.dispatch(x.contiguous(), idx, w, handle, memory)
+        pre_quantized = isinstance(x, (tuple, list))
+        if dequantize is None:
+            output = "quantized" if pre_quantized else "config"
+        else:
+            output = "config" if dequantize else "quantized"
+        if output == "quantized" and self.payload == "native":
+            raise crossbar_error(
+                "InvalidUsage", "dispatch: the native payload has no quantized form (create the Buffer with "
+                "payload='fp8', 'mxfp8' or 'nvfp4')")
+        if pre_quantized:
+            if self.payload == "native":
+                raise crossbar_error(
+                    "InvalidUsage", "dispatch: a pre-quantized x (codes, scales) needs a Buffer with a quantized "
+                    "payload (fp8, mxfp8, nvfp4); this one sends x as is")
+            want = 3 if self.payload == "nvfp4" else 2
+            if len(x) != want:
+                raise crossbar_error(
+                    "InvalidUsage", f"dispatch: a pre-quantized {self.payload} x is a tuple of {want} "
+                    f"({'codes, scales, global_scale' if want == 3 else 'codes, scales'}), not {len(x)}")
+            codes, scales = x[0], x[1]
+            if self.payload == "fp8" and isinstance(scales, torch.Tensor) and scales.dtype != torch.float32:
+                raise crossbar_error(
+                    "InvalidUsage", f"dispatch: fp8 scales must be float32 [tokens, ceil(hidden / 128)], not {scales.dtype}")
+            if self.payload != "fp8" and isinstance(scales, torch.Tensor) and scales.element_size() != 1:
+                raise crossbar_error(
+                    "InvalidUsage", f"dispatch: {self.payload} scales are one byte each, not {scales.dtype}")
+            g = float(x[2]) if want == 3 else 1.0
+            d = self._impl.dispatch(None, idx, w, handle, memory, _as_bytes(codes, "codes"),
+                                    _as_bytes(scales, "scales"), g, output)
+        else:
+            d = self._impl.dispatch(x.contiguous(), idx, w, handle, memory, output=output)
         names = [f.name for f in dataclasses.fields(Dispatched) if not f.name.startswith("q_")]
-        fields = {name: d[name] for name in names if name in d}
+        fields = {name: d.get(name) for name in names if not name.startswith("_")}
         out = Dispatched(**fields, _memory=d.get("memory"))
         if "q_payload" in d:
-            p, s = d["q_payload"], d["q_scales"]
-            if self.payload == "fp8":
-                p, s = _view(p, "float8_e4m3fn"), s.view(torch.float32)
-            elif self.payload == "mxfp8":
-                p, s = _view(p, "float8_e4m3fn"), _view(s, "float8_e8m0fnu")
-            else:
-                s = _view(s, "float8_e4m3fn")
-            out.q_payload, out.q_scales, out.q_global_scale = p, s, d["q_global_scale"]
+            out.q_payload, out.q_scales = _typed(self.payload, d["q_payload"], d["q_scales"])
+            out.q_global_scale = d["q_global_scale"]
+            if "q_payload_expert_major" in d:
+                out.q_payload_expert_major, out.q_scales_expert_major = _typed(
+                    self.payload, d["q_payload_expert_major"], d["q_scales_expert_major"])
         return out
 
     def combine(self, y: torch.Tensor, handle, weights: torch.Tensor | None = None) -> torch.Tensor:

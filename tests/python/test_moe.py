@@ -233,3 +233,76 @@ def recycle_body(rank, world):
 def test_moe_dispatch_out_recycles_bit_identical(monkeypatch):
     monkeypatch.setenv("CROSSBAR_RANKS_PER_NODE", "2")  # two virtual nodes of two ranks
     run_ranks(recycle_body, 4)
+
+
+def quantized_io_body(rank, world):
+    """DeepEP-style quantized dispatch: x handed over as (codes, scales) and/or the received rows
+    returned only quantized, against the encode-in-dispatch path (bit for bit)."""
+    import crossbar
+    import crossbar.moe as moe
+
+    E = EPR * world
+    x, idx, w = inputs(rank, world)
+    for payload, block, sdtype in (("fp8", 128, torch.float32), ("mxfp8", 32, torch.float8_e8m0fnu),
+                                   ("nvfp4", 16, torch.float8_e4m3fn)):
+        buf = moe.Buffer(max_tokens=MAX_TOKENS, hidden=HIDDEN, topk=TOPK, num_experts=E, payload=payload,
+                         return_quantized=True, chunk_tokens=5)
+        q = moe.quantize(x, payload)
+        codes, scales = q[0], q[1]
+        nblocks = -(-HIDDEN // block)
+        assert scales.shape == (x.shape[0], nblocks) and scales.dtype == sdtype
+        assert codes.shape == (x.shape[0], HIDDEN // 2 if payload == "nvfp4" else HIDDEN)
+        ref = buf.dispatch(x, idx, w)  # encoded in dispatch; x and the quantized rows
+        # Every received row carries its source's quantize() bytes.
+        peers = {s: moe.quantize(inputs(s, world)[0], payload) for s in range(world)}
+        for i in range(ref.num_recv):
+            s, t = ref.src_rank[i].item(), ref.src_token[i].item()
+            assert torch.equal(_bits(ref.q_payload[i]), _bits(peers[s][0][t])), f"{payload} row {i} codes"
+            assert torch.equal(_bits(ref.q_scales[i]), _bits(peers[s][1][t])), f"{payload} row {i} scales"
+
+        pre = buf.dispatch(q, idx, w)  # DeepEP's fp8 path: quantized in, quantized out
+        assert pre.x is None and pre.x_expert_major is None
+        rc, rs = pre.x_quantized
+        for a, b, name in ((rc, ref.q_payload, "codes"), (rs, ref.q_scales, "scales"),
+                           (pre.q_global_scale, ref.q_global_scale, "global scale")):
+            assert a.dtype == b.dtype and a.shape == b.shape, f"{payload} {name}"
+            assert torch.equal(_bits(a), _bits(b)), f"{payload}: {name} differ from the encode-in-dispatch path"
+        em = pre.expert_rows.long()
+        assert torch.equal(_bits(pre.q_payload_expert_major), _bits(ref.q_payload[em]))
+        assert torch.equal(_bits(pre.q_scales_expert_major), _bits(ref.q_scales[em]))
+        decoded = moe.dequantize(rc, rs, payload, torch.bfloat16, global_scale=pre.q_global_scale)
+        assert torch.equal(_bits(decoded), _bits(ref.x)), f"{payload}: dequantize() differs from dispatch's decode"
+
+        dq = buf.dispatch(q, idx, w, dequantize=True)  # decode only: today's x
+        assert torch.equal(_bits(dq.x), _bits(ref.x)) and torch.equal(_bits(dq.x_expert_major), _bits(ref.x_expert_major))
+        xo = buf.dispatch(x, idx, w, dequantize=False, handle=pre.handle)  # encode only, cached handle
+        assert xo.x is None and torch.equal(_bits(xo.q_payload), _bits(ref.q_payload))
+        y = ref.x.float() * 1.5
+        assert torch.equal(buf.combine(y, xo.handle), buf.combine(y, ref.handle))
+
+        # Bad inputs, the same on every rank: InvalidUsage before any traffic.
+        bad = [(codes, scales[:, :-1]) + tuple(q[2:]),  # one scale short per row
+               (codes[:, :-1], scales) + tuple(q[2:]),
+               (codes,)]
+        if payload != "fp8":
+            bad.append((codes, torch.zeros(x.shape[0], nblocks, dtype=torch.float32)) + tuple(q[2:]))
+        for b in bad:
+            with pytest.raises(crossbar.InvalidUsage):
+                buf.dispatch(b, idx, w)
+        again = buf.dispatch(q, idx, w)  # still in step on every rank
+        assert torch.equal(_bits(again.q_payload), _bits(ref.q_payload))
+
+    native = moe.Buffer(max_tokens=MAX_TOKENS, hidden=HIDDEN, topk=TOPK, num_experts=E, payload="bf16")
+    with pytest.raises(crossbar.InvalidUsage):
+        native.dispatch(moe.quantize(x, "fp8"), idx, w)
+    with pytest.raises(crossbar.InvalidUsage):
+        native.dispatch(x, idx, w, dequantize=False)
+    d = native.dispatch(x, idx, w, dequantize=True)  # the one form a native buffer has
+    assert d.x is not None and d.q_payload is None and d.x.shape == (d.num_recv, HIDDEN)
+
+
+@pytest.mark.parametrize("world,per_node", [(2, 2), (4, 4), (4, 2)])
+def test_moe_quantized_io_matches_encode_in_dispatch(world, per_node, monkeypatch):
+    if per_node < world:
+        monkeypatch.setenv("CROSSBAR_RANKS_PER_NODE", str(per_node))  # virtual nodes
+    run_ranks(quantized_io_body, world)
