@@ -3,6 +3,11 @@
 //   moe_dispatch_perf --nranks 8 --ranks-per-node 4 [--tokens 128,512] [--hidden 2048,7168]
 //                     [--formats native,fp8,mxfp8,nvfp4] [--experts 256] [--topk 8]
 //                     [--max-nodes M] [--zipf s] [--iters 20] [--warmup 5] [--mem host|cuda]
+//                     [--fp8-io dequantized|quantized]
+// --fp8-io quantized (host memory): quantized formats run DeepEP-style: x is quantized once
+// before timing and passed as codes + scales (QuantizedTokens), dispatch returns only the
+// received codes + scales (RecvOutput::kQuantized); combine's bf16 input is decoded from them
+// outside the timed region. Default: dequantized (bf16 x in, encode and decode in dispatch).
 // --mem cuda: CudaMoeBuffer on device memory (one node: every rank on GPU local_rank % GPUs;
 // several nodes need one GPU per rank for NCCL). Times are dispatch + combine with a stream
 // synchronization each; "cached" is a dispatch with the cached handle (no host planning).
@@ -38,6 +43,7 @@ struct Options {
   int nranks = 2, ranks_per_node = 0, experts = 0, topk = 8, max_nodes = -1, iters = 20, warmup = 5;
   double zipf = 0.0;
   bool mem_cuda = false;
+  bool quantized_io = false;  // --fp8-io quantized
   std::vector<size_t> tokens{128, 512}, hidden{2048, 7168};
   std::vector<PayloadFormat> formats{PayloadFormat::kNative, PayloadFormat::kFp8, PayloadFormat::kMxfp8,
                                      PayloadFormat::kNvfp4};
@@ -148,6 +154,10 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm) {
       comm->numNodes(), comm->localSize(), E, o.topk, o.max_nodes, o.zipf));
   print(fmt::format("# memory: {}\n", o.mem_cuda ? "cuda (CudaMoeBuffer; cached = dispatch with the cached handle)"
                                                   : "host (MoeBuffer)"));
+  print(fmt::format("# quantized formats' io: {}\n",
+                    o.quantized_io ? "quantized (DeepEP-style: x quantized once before timing, codes + scales in "
+                                     "and out, no codec in dispatch)"
+                                   : "dequantized (bf16 x in and out: encode and decode in dispatch)"));
   print(fmt::format("# {:>7} {:>7} {:>7} {:>10} {:>9} {:>10} {:>9} {:>8} {:>8}{}\n", "tokens", "hidden",
                     "format", "disp(us)", "net GB/s", "comb(us)", "net GB/s", "dedup", "imbal",
                     o.mem_cuda ? fmt::format(" {:>11}", "cached(us)") : ""));
@@ -181,13 +191,52 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm) {
         } else {
           auto buf = MoeBuffer::create(comm, cfg);
           lay = buf->layout(routing.topk_idx.data(), T, E);
+          const bool qio = o.quantized_io && f != PayloadFormat::kNative;
+          // Quantized io: x quantized once, before timing (as DeepEP's test does).
+          std::vector<uint8_t> xq_payload, xq_scales;
+          std::vector<BFloat16> y;
+          QuantizedTokens xq;
+          if (qio) {
+            const PayloadCodec c = payloadCodec(f);
+            xq.format = f;
+            xq.payload_row_bytes = payloadBytes(c, H);
+            xq.scale_row_bytes = scaleBytes(c, H);
+            if (f == PayloadFormat::kNvfp4)
+              xq.global_scale = nvfp4GlobalScale(blockAmax(x.data(), static_cast<int>(x.size())));
+            xq_payload.resize(T * xq.payload_row_bytes);
+            xq_scales.resize(T * xq.scale_row_bytes);
+            std::vector<float> sc(xq.scale_row_bytes / 4 + 1);
+            for (size_t t = 0; t < T; ++t) {
+              quantizeRow(c, x.data() + t * H, H, xq_payload.data() + t * xq.payload_row_bytes, sc.data(),
+                          xq.global_scale);
+              std::memcpy(xq_scales.data() + t * xq.scale_row_bytes, sc.data(), xq.scale_row_bytes);
+            }
+            xq.payload = xq_payload.data();
+            xq.scales = xq_scales.data();
+          }
           DispatchResult d;
           for (int it = 0; it < o.warmup + o.iters; ++it) {
             comm->barrier();
+            MoeBuffer::DispatchArgs a;
+            a.tokens = T;
+            a.x = qio ? nullptr : x.data();
+            a.x_quantized = qio ? &xq : nullptr;
+            a.topk_idx = routing.topk_idx.data();
+            a.topk_weights = routing.topk_weights.data();
+            a.output = qio ? RecvOutput::kQuantized : RecvOutput::kConfig;
             auto t0 = Clock::now();
-            d = buf->dispatch(x.data(), T, routing.topk_idx.data(), routing.topk_weights.data());
+            d = buf->dispatch(a);
             auto t1 = Clock::now();
-            buf->combine(d.x.data(), DataType::kBFloat16, *d.handle);
+            const void* yp = d.x.data();
+            if (qio) {  // the experts' bf16 outputs (not timed)
+              y.resize(d.num_recv * H);
+              for (size_t i = 0; i < d.num_recv; ++i)
+                dequantizeRow(payloadCodec(f), d.q_payload.data() + i * xq.payload_row_bytes,
+                              d.q_scales.data() + i * xq.scale_row_bytes, H, y.data() + i * H, d.q_global_scale[i]);
+              yp = y.data();
+              t1 = Clock::now();
+            }
+            buf->combine(yp, DataType::kBFloat16, *d.handle);
             auto t2 = Clock::now();
             if (it >= o.warmup) {
               disp += std::chrono::duration<double>(t1 - t0).count();
@@ -245,7 +294,12 @@ int main(int argc, char** argv) {
         o.iters = std::max(1, std::stoi(next()));
       else if (a == "--warmup")
         o.warmup = std::stoi(next());
-      else if (a == "--mem") {
+      else if (a == "--fp8-io") {
+        const std::string m = next();
+        if (m != "dequantized" && m != "quantized")
+          throw InvalidArgument("--fp8-io: dequantized or quantized, not '" + m + "'");
+        o.quantized_io = m == "quantized";
+      } else if (a == "--mem") {
         const std::string m = next();
         if (m != "host" && m != "cuda") throw InvalidArgument("--mem: host or cuda, not '" + m + "'");
         o.mem_cuda = m == "cuda";
@@ -261,10 +315,15 @@ int main(int argc, char** argv) {
         std::fprintf(stderr,
                      "usage: %s [--nranks N] [--ranks-per-node K] [--tokens a,b] [--hidden a,b] "
                      "[--formats native,fp8,mxfp8,nvfp4] [--experts E] [--topk k] [--max-nodes M] [--zipf s] "
-                     "[--iters n] [--warmup n] [--mem host|cuda]\n",
+                     "[--iters n] [--warmup n] [--mem host|cuda] [--fp8-io dequantized|quantized]\n",
                      argv[0]);
         return a == "--help" || a == "-h" ? 0 : 2;
       }
+    }
+    if (o.mem_cuda && o.quantized_io) {
+      std::fprintf(stderr, "%s: --fp8-io quantized runs on host memory only (CudaMoeBuffer takes bf16 x)\n",
+                   argv[0]);
+      return 2;
     }
 #if !defined(CROSSBAR_HAVE_MOE_CUDA)
     if (o.mem_cuda) {
