@@ -203,8 +203,7 @@ struct MoeBuffer::Impl {
   // One wire record of token t: x encoded, or with `xq` its codes and scales copied as they are.
   void encodeRow(const void* x, const QuantizedTokens* xq, size_t t, const int64_t* topk_idx, const float* w,
                  float gscale, uint8_t* out) const;
-  // InvalidUsage unless `xq` fits this buffer (format, row byte counts, pointers).
-  void checkQuantizedInput(const QuantizedTokens& xq, size_t tokens, const char* op) const;
+  RowFormat fmt;  // the wire record (makeRowFormat)
   void decodeRow(const uint8_t* rec, void* out) const;
 };
 
@@ -242,6 +241,7 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
   }
   {
     const RowFormat f = makeRowFormat(cfg);
+    im->fmt = f;
     im->es = f.es;
     im->off_topk = f.off_topk;
     im->off_w = f.off_w;
@@ -339,26 +339,6 @@ void MoeBuffer::Impl::decodeRow(const uint8_t* rec, void* out) const {
                   static_cast<BFloat16*>(out), hdr.global_scale);
 }
 
-void MoeBuffer::Impl::checkQuantizedInput(const QuantizedTokens& xq, size_t tokens, const char* op) const {
-  if (!quantized())
-    throw InvalidUsage(ctx(op) + fmt::format("pre-quantized x ({}) given to a buffer with the native payload "
-                                             "format: pass x itself, or create the MoeBuffer with that format",
-                                             payloadFormatName(xq.format)));
-  if (xq.format != cfg.format)
-    throw InvalidUsage(ctx(op) + fmt::format("pre-quantized x is {} but the buffer's payload format is {}: "
-                                             "quantize x with the buffer's format",
-                                             payloadFormatName(xq.format), payloadFormatName(cfg.format)));
-  if (xq.payload_row_bytes != payload_bytes || xq.scale_row_bytes != scale_bytes)
-    throw InvalidUsage(ctx(op) + fmt::format("pre-quantized {} x has {} payload and {} scale bytes per token; "
-                                             "hidden {} needs {} and {} (payload [tokens x {}], scales [tokens "
-                                             "x {}])",
-                                             payloadFormatName(cfg.format), xq.payload_row_bytes,
-                                             xq.scale_row_bytes, cfg.hidden, payload_bytes, scale_bytes,
-                                             payload_bytes, scale_bytes));
-  if (tokens > 0 && (!xq.payload || !xq.scales))
-    throw InvalidUsage(ctx(op) + "pre-quantized x: the payload or scales pointer is null");
-}
-
 DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* topk_idx,
                                    const float* topk_weights, std::shared_ptr<const MoeHandle> cached,
                                    DispatchResult* recycle) {
@@ -390,18 +370,10 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
                                                    tokens, cfg.max_tokens));
   if (x && xq)
     throw InvalidUsage(im.ctx(op) + "both x and a pre-quantized x given: pass one of them");
-  if (xq) im.checkQuantizedInput(*xq, tokens, op);
+  if (xq) checkQuantizedInput(cfg, im.fmt, *xq, tokens, im.ctx(op));
   if (tokens > 0 && ((!x && !xq) || !topk_idx)) throw InvalidArgument(im.ctx(op) + "x or topk_idx is null");
-  // Which forms of the received rows this call returns.
-  bool want_x = true, want_q = cfg.return_quantized && im.quantized();
-  if (args.output != RecvOutput::kConfig) {
-    if (!im.quantized() && args.output != RecvOutput::kDequantized)
-      throw InvalidUsage(im.ctx(op) + "a quantized output was asked of a buffer with the native payload "
-                                      "format (it has no quantized form): create the MoeBuffer with fp8, "
-                                      "mxfp8 or nvfp4");
-    want_x = args.output != RecvOutput::kQuantized;
-    want_q = args.output != RecvOutput::kDequantized && im.quantized();
-  }
+  const RecvForms forms = recvForms(cfg, args.output, im.ctx(op));  // which forms of the rows to return
+  const bool want_x = forms.x, want_q = forms.q;
   if (cached && cached->owner != this)
     throw InvalidArgument(im.ctx(op) + "the cached handle comes from another MoeBuffer");
   if (cached && cached->tokens != tokens)

@@ -72,6 +72,39 @@ RowFormat makeRowFormat(const MoeConfig& cfg) {
   return f;
 }
 
+void checkQuantizedInput(const MoeConfig& cfg, const RowFormat& f, const QuantizedTokens& xq, size_t tokens,
+                         const std::string& ctx) {
+  if (cfg.format == PayloadFormat::kNative)
+    throw InvalidUsage(ctx + fmt::format("pre-quantized x ({}) given to a buffer with the native payload "
+                                         "format: pass x itself, or create the buffer with that format",
+                                         payloadFormatName(xq.format)));
+  if (xq.format != cfg.format)
+    throw InvalidUsage(ctx + fmt::format("pre-quantized x is {} but the buffer's payload format is {}: "
+                                         "quantize x with the buffer's format",
+                                         payloadFormatName(xq.format), payloadFormatName(cfg.format)));
+  if (xq.payload_row_bytes != f.payload_bytes || xq.scale_row_bytes != f.scale_bytes)
+    throw InvalidUsage(ctx + fmt::format("pre-quantized {} x has {} payload and {} scale bytes per token; "
+                                         "hidden {} needs {} and {} (payload [tokens x {}], scales [tokens x {}])",
+                                         payloadFormatName(cfg.format), xq.payload_row_bytes, xq.scale_row_bytes,
+                                         cfg.hidden, f.payload_bytes, f.scale_bytes, f.payload_bytes,
+                                         f.scale_bytes));
+  if (tokens > 0 && (!xq.payload || !xq.scales))
+    throw InvalidUsage(ctx + "pre-quantized x: the payload or scales pointer is null");
+}
+
+RecvForms recvForms(const MoeConfig& cfg, RecvOutput output, const std::string& ctx) {
+  const bool quantized = cfg.format != PayloadFormat::kNative;
+  RecvForms r;
+  r.q = cfg.return_quantized && quantized;
+  if (output == RecvOutput::kConfig) return r;
+  if (!quantized && output != RecvOutput::kDequantized)
+    throw InvalidUsage(ctx + "a quantized output was asked of a buffer with the native payload format (it "
+                             "has no quantized form): create the buffer with fp8, mxfp8 or nvfp4");
+  r.x = output != RecvOutput::kQuantized;
+  r.q = output != RecvOutput::kDequantized && quantized;
+  return r;
+}
+
 Layout computeLayout(const MoeTopology& t, int topk, const int64_t* topk_idx, size_t tokens, int num_experts,
                      const std::string& ctx) {
   const int R = t.R, N = t.N;

@@ -48,6 +48,18 @@ struct RowFormat {
 };
 RowFormat makeRowFormat(const MoeConfig& cfg);
 
+// Dispatch arguments both executors check the same way (InvalidUsage with `ctx`, before any
+// traffic): a pre-quantized x must match the buffer's format and row sizes, and non-null
+// arrays with tokens.
+void checkQuantizedInput(const MoeConfig& cfg, const RowFormat& f, const QuantizedTokens& xq, size_t tokens,
+                         const std::string& ctx);
+// Which forms of the received rows a dispatch with `output` returns (InvalidUsage for a
+// quantized form of a native buffer).
+struct RecvForms {
+  bool x = true, q = false;
+};
+RecvForms recvForms(const MoeConfig& cfg, RecvOutput output, const std::string& ctx);
+
 // Routing statistics of topk_idx (InvalidArgument for ids outside [-1, num_experts)).
 Layout computeLayout(const MoeTopology& t, int topk, const int64_t* topk_idx, size_t tokens, int num_experts,
                      const std::string& ctx);

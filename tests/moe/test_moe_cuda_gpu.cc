@@ -258,6 +258,63 @@ void checkAgainstHost(Communicator& comm, MoeBuffer& host, CudaMoeBuffer& gpu, t
   expectSameBytes(hcw.out, down<float>(gcw.out, in.tokens * H), "weighted combine out");
   EXPECT_EQ(hc.metrics.inter_node_bytes, gc.metrics.inter_node_bytes);
   EXPECT_EQ(hc.metrics.intra_node_bytes, gc.metrics.intra_node_bytes);
+
+  // DeepEP-style quantized io (session 8): x handed over as codes + scales (quantized here with
+  // quant.h's reference codec), the received rows returned only quantized; and pre-quantized
+  // in, dequantized out. Bit for bit against the host path's same calls.
+  if (cfg.format == PayloadFormat::kNative) return;
+  const PayloadCodec c = payloadCodec(cfg.format);
+  const size_t pb = payloadBytes(c, H), sb = scaleBytes(c, H);
+  std::vector<uint8_t> codes(in.tokens * pb), scales(in.tokens * sb);
+  const float g = cfg.format == PayloadFormat::kNvfp4
+                      ? nvfp4GlobalScale(blockAmax(in.xf.data(), static_cast<int>(in.xf.size())))
+                      : 1.0f;
+  std::vector<float> sc(sb / 4 + 1);
+  std::vector<BFloat16> rb(H);
+  for (size_t tk = 0; tk < in.tokens; ++tk) {
+    if (cfg.dtype == DataType::kFloat32) {
+      quantizeRow(c, in.xf.data() + tk * H, H, codes.data() + tk * pb, sc.data(), g);
+    } else {
+      for (size_t h = 0; h < H; ++h) rb[h] = BFloat16::fromFloat(in.xf[tk * H + h]);
+      quantizeRow(c, rb.data(), H, codes.data() + tk * pb, sc.data(), g);
+    }
+    std::memcpy(scales.data() + tk * sb, sc.data(), sb);
+  }
+  Dev dcodes(codes), dscales(scales);
+  QuantizedTokens hq{cfg.format, codes.data(), scales.data(), pb, sb, g};
+  QuantizedTokens gq{cfg.format, dcodes.p, dscales.p, pb, sb, g};
+  MoeBuffer::DispatchArgs ha;
+  ha.tokens = in.tokens;
+  ha.x_quantized = &hq;
+  ha.topk_idx = in.idx.data();
+  ha.topk_weights = in.w.data();
+  ha.output = RecvOutput::kQuantized;
+  MoeBuffer::DispatchArgs ga = ha;
+  ga.x_quantized = &gq;
+  ga.topk_idx = didx.as<int64_t>();
+  ga.topk_weights = dw.as<float>();
+  DispatchResult hq1 = host.dispatch(ha);
+  CudaDispatchResult gq1 = gpu.dispatch(ga, s);
+  gpu.synchronize(s, dl);
+  EXPECT_EQ(gq1.x, nullptr);
+  EXPECT_EQ(gq1.x_expert_major, nullptr);
+  expectSameBytes(hd.q_payload, down<uint8_t>(gq1.q_payload, n * pb), "q_payload (pre-quantized)");
+  expectSameBytes(hd.q_scales, down<uint8_t>(gq1.q_scales, n * sb), "q_scales (pre-quantized)");
+  expectSameBytes(hd.q_global_scale, down<float>(gq1.q_global_scale, n), "q_global_scale (pre-quantized)");
+  expectSameBytes(hq1.q_payload_expert_major,
+                  down<uint8_t>(gq1.q_payload_expert_major, hq1.q_payload_expert_major.size()),
+                  "q_payload_expert_major");
+  expectSameBytes(hq1.q_scales_expert_major,
+                  down<uint8_t>(gq1.q_scales_expert_major, hq1.q_scales_expert_major.size()), "q_scales_expert_major");
+  ga.output = RecvOutput::kDequantized;
+  CudaDispatchResult gq2 = gpu.dispatch(ga, s, gq1.handle);
+  gpu.synchronize(s, dl);
+  expectSameBytes(hd.x, down<uint8_t>(gq2.x, n * H * es), "x (pre-quantized, decoded)");
+  EXPECT_EQ(gq2.q_payload, nullptr);
+  QuantizedTokens wrong = gq;
+  wrong.scale_row_bytes = sb + 1;
+  ga.x_quantized = &wrong;
+  EXPECT_THROW(gpu.dispatch(ga, s), InvalidUsage);
 }
 
 void cudaVsHostBody(testing::RankEnv& env) {

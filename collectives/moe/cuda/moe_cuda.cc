@@ -100,6 +100,7 @@ struct CudaMoeBuffer::Impl {
   std::shared_ptr<symm::SymmetricBuffer> dbuf, cbuf;  // [local forwarder j] slots
   DeviceStorage enc, fbuf, nsend, acc, acc16, back, scalars;
   float *d_gscale = nullptr, *d_amax = nullptr;
+  float h_gscale = 1.0f;  // source of a pre-quantized x's global scale copy (stays valid: a member)
   int* d_nonfinite = nullptr;
   std::unique_ptr<CudaCollectives> coll;  // NCCL across nodes (N > 1)
   cudaEvent_t event = nullptr;
@@ -373,17 +374,37 @@ void CudaMoeBuffer::synchronize(cudaStream_t stream, Deadline deadline) const {
 CudaDispatchResult CudaMoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* topk_idx,
                                            const float* topk_weights, cudaStream_t stream,
                                            std::shared_ptr<const CudaMoeHandle> cached) {
+  MoeBuffer::DispatchArgs a;
+  a.tokens = tokens;
+  a.x = x;
+  a.topk_idx = topk_idx;
+  a.topk_weights = topk_weights;
+  return dispatch(a, stream, std::move(cached));
+}
+
+CudaDispatchResult CudaMoeBuffer::dispatch(const MoeBuffer::DispatchArgs& args, cudaStream_t stream,
+                                           std::shared_ptr<const CudaMoeHandle> cached) {
   Impl& im = *impl_;
   const char* op = "moe dispatch (cuda)";
   const MoeConfig& cfg = im.cfg;
   const MoeTopology& t = im.topo;
   const RowFormat& f = im.fmt;
   const size_t k = static_cast<size_t>(cfg.topk), H = cfg.hidden, row = f.row, xrow = H * f.es;
+  const size_t tokens = args.tokens;
+  const void* x = args.x;
+  const QuantizedTokens* xq = args.x_quantized;
+  const int64_t* topk_idx = args.topk_idx;
+  const float* topk_weights = args.topk_weights;
+  if (args.cached)
+    throw InvalidUsage(im.ctx(op) + "args.cached holds a host MoeBuffer handle: pass the CUDA handle as `cached`");
   if (tokens > cfg.max_tokens)
     throw InvalidArgument(im.ctx(op) + fmt::format("{} tokens exceed the buffer's max_tokens {}: create the "
                                                    "buffer with a larger max_tokens",
                                                    tokens, cfg.max_tokens));
-  if (tokens > 0 && (!x || !topk_idx)) throw InvalidArgument(im.ctx(op) + "x or topk_idx is null");
+  if (x && xq) throw InvalidUsage(im.ctx(op) + "both x and a pre-quantized x given: pass one of them");
+  if (xq) checkQuantizedInput(cfg, f, *xq, tokens, im.ctx(op));
+  if (tokens > 0 && ((!x && !xq) || !topk_idx)) throw InvalidArgument(im.ctx(op) + "x or topk_idx is null");
+  const RecvForms forms = recvForms(cfg, args.output, im.ctx(op));
   if (cached && cached->owner != this)
     throw InvalidArgument(im.ctx(op) + "the cached handle comes from another CudaMoeBuffer");
   if (cached && cached->plan.tokens != tokens)
@@ -416,12 +437,25 @@ CudaDispatchResult CudaMoeBuffer::dispatch(const void* x, size_t tokens, const i
   uint8_t* fbuf = im.bytes(im.fbuf);
 
   // 1. encode every token once: header + routing, then the payload (quantized or copied).
-  cuda::tensorAmax(cfg.dtype, x, cfg.format == PayloadFormat::kNvfp4 ? tokens : 0, H, im.d_amax, im.d_nonfinite,
-                   stream);
-  cuda::setGlobalScale(im.d_amax, im.d_nonfinite, cfg.format == PayloadFormat::kNvfp4, im.d_gscale, stream);
+  if (xq) {
+    // The caller's global scale (nvfp4; 1 otherwise) into the device scalar the headers read.
+    im.h_gscale = cfg.format == PayloadFormat::kNvfp4 ? xq->global_scale : 1.0f;
+    sys::checkCuda(cudaMemcpyAsync(im.d_gscale, &im.h_gscale, 4, cudaMemcpyHostToDevice, stream),
+                   std::string(op) + ": copy of the global scale", im.device);
+  } else {
+    cuda::tensorAmax(cfg.dtype, x, cfg.format == PayloadFormat::kNvfp4 ? tokens : 0, H, im.d_amax,
+                     im.d_nonfinite, stream);
+    cuda::setGlobalScale(im.d_amax, im.d_nonfinite, cfg.format == PayloadFormat::kNvfp4, im.d_gscale, stream);
+  }
   cuda::packHeaders(enc, row, f.off_topk, f.off_w, t.rank, im.d_gscale, topk_idx, topk_weights, cfg.topk, tokens,
                     stream);
-  if (im.quantized()) {
+  if (xq) {
+    // Pre-quantized: the caller's codes and scales go into the records as they are.
+    cuda::copyRows(xq->payload, f.payload_bytes, nullptr, enc + f.off_payload, row, nullptr, f.payload_bytes,
+                   tokens, stream);
+    cuda::copyRows(xq->scales, f.scale_bytes, nullptr, enc + f.off_scales, row, nullptr, f.scale_bytes, tokens,
+                   stream);
+  } else if (im.quantized()) {
     const cuda::RowLayout l{H, row, row};
     inPieces(tokens, [&](size_t off, size_t n) {
       cuda::quantizeRows(payloadCodec(cfg.format), cfg.dtype, static_cast<const uint8_t*>(x) + off * xrow, nullptr,
@@ -479,12 +513,15 @@ CudaDispatchResult CudaMoeBuffer::dispatch(const void* x, size_t tokens, const i
   // 5. receive: decode every forwarder's slot into (source rank, token) order.
   const size_t n = p.num_recv;
   res.num_recv = n;
-  DeviceStorage x_out = im.allocOut(n * xrow, stream, "received tokens");
   DeviceStorage w_out = im.allocOut(n * k * 4, stream, "received weights");
-  res.x = x_out.get();
   res.topk_weights = static_cast<float*>(w_out.get());
-  res.storage = {x_out, w_out, h->mem};
-  const bool want_q = cfg.return_quantized && im.quantized();
+  res.storage = {w_out, h->mem};
+  const bool want_x = forms.x, want_q = forms.q;
+  if (want_x) {
+    DeviceStorage x_out = im.allocOut(n * xrow, stream, "received tokens");
+    res.x = x_out.get();
+    res.storage.push_back(x_out);
+  }
   if (want_q) {
     DeviceStorage qp = im.allocOut(n * f.payload_bytes, stream, "received payload");
     DeviceStorage qs = im.allocOut(n * f.scale_bytes, stream, "received scales");
@@ -498,7 +535,9 @@ CudaDispatchResult CudaMoeBuffer::dispatch(const void* x, size_t tokens, const i
     const uint8_t* slot = im.dbuf->local<uint8_t>(static_cast<size_t>(j) * im.dslot);
     const int32_t* rows = h->recv_rows[j];
     const size_t nj = p.recv_rows[j].size();
-    if (im.quantized()) {
+    if (!want_x) {
+      // Quantized output only: no decode.
+    } else if (im.quantized()) {
       cuda::RowLayout l{H, row, row};
       l.global_scale_stride = row;
       inPieces(nj, [&](size_t off, size_t cnt) {
@@ -529,11 +568,22 @@ CudaDispatchResult CudaMoeBuffer::dispatch(const void* x, size_t tokens, const i
   res.expert_weights = static_cast<float*>(ew.get());
   res.storage.push_back(ew);
   cuda::gatherFloats(res.topk_weights, h->expert_slots, res.expert_weights, ne, stream);
-  if (cfg.expert_major_copy) {
+  if (cfg.expert_major_copy && want_x) {
     DeviceStorage xe = im.allocOut(ne * xrow, stream, "expert-major tokens");
     res.x_expert_major = xe.get();
     res.storage.push_back(xe);
     cuda::copyRows(res.x, xrow, h->expert_rows, res.x_expert_major, xrow, nullptr, xrow, ne, stream);
+  }
+  if (cfg.expert_major_copy && want_q) {
+    DeviceStorage pe = im.allocOut(ne * f.payload_bytes, stream, "expert-major payload");
+    DeviceStorage se = im.allocOut(ne * f.scale_bytes, stream, "expert-major scales");
+    res.q_payload_expert_major = static_cast<uint8_t*>(pe.get());
+    res.q_scales_expert_major = static_cast<uint8_t*>(se.get());
+    res.storage.insert(res.storage.end(), {pe, se});
+    cuda::copyRows(res.q_payload, f.payload_bytes, h->expert_rows, res.q_payload_expert_major, f.payload_bytes,
+                   nullptr, f.payload_bytes, ne, stream);
+    cuda::copyRows(res.q_scales, f.scale_bytes, h->expert_rows, res.q_scales_expert_major, f.scale_bytes, nullptr,
+                   f.scale_bytes, ne, stream);
   }
 
   res.src_rank = h->src_rank;

@@ -76,9 +76,11 @@ struct CudaDispatchResult {
   const int32_t* expert_rows = nullptr;
   float* expert_weights = nullptr;
   void* x_expert_major = nullptr;  // expert_major_copy
-  uint8_t* q_payload = nullptr;    // return_quantized
+  uint8_t* q_payload = nullptr;    // quantized form (return_quantized / RecvOutput::kQuantized / kBoth)
   uint8_t* q_scales = nullptr;
   float* q_global_scale = nullptr;
+  uint8_t* q_payload_expert_major = nullptr;  // ... its expert-major copy (expert_major_copy)
+  uint8_t* q_scales_expert_major = nullptr;
   // Host copies of the counts (known when dispatch returns).
   std::vector<int> recv_per_rank, tokens_per_expert, expert_offsets;
   std::shared_ptr<const CudaMoeHandle> handle;
@@ -116,6 +118,14 @@ class CudaMoeBuffer {
   // of the same topk_idx (every rank passes its own): no host blocking at all.
   CudaDispatchResult dispatch(const void* x, size_t tokens, const int64_t* topk_idx, const float* topk_weights,
                               cudaStream_t stream, std::shared_ptr<const CudaMoeHandle> cached = nullptr);
+  // Collective. MoeBuffer::dispatch(DispatchArgs)'s options on device memory: x or
+  // x_quantized (device codes and scales, copied into the wire records as they are; the
+  // nvfp4 global_scale is a host value), output forms as on the host (x null when not
+  // returned); the same checks (InvalidUsage). args.cached must be null (a host handle; the
+  // cached CUDA handle is `cached`, as above); args.recycle is ignored (results come from
+  // Options::allocate).
+  CudaDispatchResult dispatch(const MoeBuffer::DispatchArgs& args, cudaStream_t stream,
+                              std::shared_ptr<const CudaMoeHandle> cached = nullptr);
 
   // Collective. y: device [num_recv x hidden] of y_type (bf16 / f32), rows as dispatched;
   // weights: optional device [num_recv]. Sums in f32; out = per source token the sum.
