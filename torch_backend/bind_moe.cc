@@ -328,12 +328,7 @@ class PyBuffer {
       w = weights->data_ptr<float>();
     }
 #if CROSSBAR_MOE_CUDA_TENSORS
-    if (cuda_) {
-      if (!x || (recv != moe::RecvOutput::kConfig && recv != moe::RecvOutput::kDequantized))
-        throw Unsupported("crossbar.moe on CUDA tensors: pre-quantized x and quantized-only output are not "
-                          "implemented on the CUDA path yet (host path only); pass x and use return_quantized");
-      return dispatchCuda(*x, topk_idx, weights, w, cached);
-    }
+    if (cuda_) return dispatchCuda(x, xq_payload, xq_scales, xq, recv, topk_idx, weights, w, cached);
 #endif
     DispatchResult r;
     auto mem = std::make_shared<ResultMemory>();
@@ -501,22 +496,29 @@ class PyBuffer {
   }
 
 #if CROSSBAR_MOE_CUDA_TENSORS
-  py::dict dispatchCuda(const at::Tensor& x, const at::Tensor& topk_idx,
-                        const std::optional<at::Tensor>& weights, const float* w,
-                        const std::optional<PyHandle>& cached) {
+  py::dict dispatchCuda(const std::optional<at::Tensor>& x, const std::optional<at::Tensor>& xq_payload,
+                        const std::optional<at::Tensor>& xq_scales, const moe::QuantizedTokens& xq,
+                        moe::RecvOutput recv, const at::Tensor& topk_idx, const std::optional<at::Tensor>& weights,
+                        const float* w, const std::optional<PyHandle>& cached) {
     const auto& cfg = cuda_->config();
     if (cached && !cached->cuda) throw InvalidArgument("dispatch: the cached handle comes from a CPU Buffer");
     const auto dev = static_cast<c10::DeviceIndex>(cuda_device_);
     c10::cuda::CUDAGuard guard(dev);
     const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(dev);
-    recordUse(x, stream);
+    for (const auto* t : {&x, &xq_payload, &xq_scales, &weights})
+      if (*t) recordUse(**t, stream);
     recordUse(topk_idx, stream);
-    if (weights) recordUse(*weights, stream);
     moe::CudaDispatchResult r;
     {
       py::gil_scoped_release release;
-      r = cuda_->dispatch(x.data_ptr(), static_cast<size_t>(x.size(0)), topk_idx.data_ptr<int64_t>(), w,
-                          stream.stream(), cached ? cached->cuda : nullptr);
+      MoeBuffer::DispatchArgs a;
+      a.tokens = static_cast<size_t>(topk_idx.size(0));
+      a.x = x ? x->data_ptr() : nullptr;
+      a.x_quantized = x ? nullptr : &xq;
+      a.topk_idx = topk_idx.data_ptr<int64_t>();
+      a.topk_weights = w;
+      a.output = recv;
+      r = cuda_->dispatch(a, stream.stream(), cached ? cached->cuda : nullptr);
     }
     const int64_t n = static_cast<int64_t>(r.num_recv), H = static_cast<int64_t>(cfg.hidden), k = cfg.topk;
     const int64_t le = cuda_->numLocalExperts(),
@@ -525,7 +527,11 @@ class PyBuffer {
     const auto& own = r.storage;
     const int d = cuda_device_;
     py::dict out;
-    out["x"] = viewOf(r.x, st, {n, H}, own, d);
+    const bool has_x = recv != moe::RecvOutput::kQuantized;
+    const bool has_q = cfg.format != PayloadFormat::kNative &&
+                       (recv == moe::RecvOutput::kQuantized || recv == moe::RecvOutput::kBoth ||
+                        (recv == moe::RecvOutput::kConfig && cfg.return_quantized));
+    if (has_x) out["x"] = viewOf(r.x, st, {n, H}, own, d);
     // These four live in the handle's routing indices: copies (on the stream), so that changing
     // them cannot change the handle, as with the CPU path's independent tensors.
     out["src_rank"] = viewOf(r.src_rank, at::kInt, {n}, own, d).clone();
@@ -534,13 +540,13 @@ class PyBuffer {
     out["expert_rows"] = viewOf(r.expert_rows, at::kInt, {m}, own, d).clone();
     out["topk_weights"] = viewOf(r.topk_weights, at::kFloat, {n, k}, own, d);
     out["expert_weights"] = viewOf(r.expert_weights, at::kFloat, {m}, own, d);
-    out["x_expert_major"] = viewOf(r.x_expert_major, st, {cfg.expert_major_copy ? m : 0, H}, own, d);
+    if (has_x) out["x_expert_major"] = viewOf(r.x_expert_major, st, {cfg.expert_major_copy ? m : 0, H}, own, d);
     // Counts are known on the host when dispatch returns: CPU tensors (reading them never syncs).
     out["recv_per_rank"] =
         toTensor(r.recv_per_rank, at::kInt, {static_cast<int64_t>(r.recv_per_rank.size())});
     out["tokens_per_expert"] = toTensor(r.tokens_per_expert, at::kInt, {le});
     out["expert_offsets"] = toTensor(r.expert_offsets, at::kInt, {le + 1});
-    if (cfg.return_quantized && cfg.format != PayloadFormat::kNative) {
+    if (has_q) {
       const moe::RowFormat f = moe::makeRowFormat(cfg);
       // Shapes as the CPU path's ([0, 0] when nothing arrived).
       const int64_t pb = n ? static_cast<int64_t>(f.payload_bytes) : 0,
@@ -548,6 +554,10 @@ class PyBuffer {
       out["q_payload"] = viewOf(r.q_payload, at::kByte, {n, pb}, own, d);
       out["q_scales"] = viewOf(r.q_scales, at::kByte, {n, sb}, own, d);
       out["q_global_scale"] = viewOf(r.q_global_scale, at::kFloat, {n}, own, d);
+      if (cfg.expert_major_copy) {
+        out["q_payload_expert_major"] = viewOf(r.q_payload_expert_major, at::kByte, {m, pb}, own, d);
+        out["q_scales_expert_major"] = viewOf(r.q_scales_expert_major, at::kByte, {m, sb}, own, d);
+      }
     }
     out["metrics"] = metricsDict(r.metrics);
     PyHandle h;

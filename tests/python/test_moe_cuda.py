@@ -124,6 +124,18 @@ def check_case(rank, world, dtype, payload, dev):
     # before any traffic, so every rank raises).
     with pytest.raises(crossbar.InvalidArgument):
         gpu.dispatch(x, idx, w)
+
+    # DeepEP-style quantized io (session 8): pre-quantized (codes, scales) in, quantized rows out,
+    # and decode only, against the CPU path.
+    if payload != "native":
+        q = moe.quantize(x, payload)
+        qd = tuple(t.to(dev) for t in q[:2]) + tuple(q[2:])
+        cq, gq = cpu.dispatch(q, idx, w), gpu.dispatch(qd, idxd, wd)
+        assert cq.x is None and gq.x is None
+        for f in ("q_payload", "q_scales", "q_global_scale", "q_payload_expert_major", "q_scales_expert_major"):
+            same(getattr(cq, f), getattr(gq, f), f"{payload} pre-quantized dispatch.{f}")
+        same(dc.q_payload, gq.q_payload, f"{payload} pre-quantized vs encoded codes")
+        same(dc.x, gpu.dispatch(qd, idxd, wd, dequantize=True).x, f"{payload} pre-quantized, decoded")
     torch.cuda.synchronize(dev)
 
 
