@@ -161,7 +161,8 @@ def quantize(x: torch.Tensor, payload: str):
     float32 [tokens, ceil(hidden / 128)]) and "mxfp8" (float8_e4m3fn, float8_e8m0fnu [tokens,
     ceil(hidden / 32)]); (codes, scales, global_scale) for "nvfp4" (packed uint8 [tokens,
     ceil(hidden / 2)], float8_e4m3fn [tokens, ceil(hidden / 16)], float). The input
-    Buffer.dispatch takes as a pre-quantized x."""
+    Buffer.dispatch takes as a pre-quantized x. Runs on the CPU (a CUDA x is copied to the
+    host); for a CUDA Buffer move the results with .to(device)."""
     if payload not in _CODECS:
         raise ValueError(f"payload {payload!r}: one of {tuple(_CODECS)}")
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
