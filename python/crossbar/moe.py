@@ -144,14 +144,19 @@ def _typed(payload: str, codes: torch.Tensor, scales: torch.Tensor):
 def _as_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
     """A 2-D tensor as bytes per row ([rows, row bytes]), without a copy."""
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
-        raise crossbar_error("InvalidUsage", f"dispatch: pre-quantized x's {what} must be a 2-D tensor [tokens, ...]")
+        raise _usage_error_of("InvalidUsage", f"dispatch: pre-quantized x's {what} must be a 2-D tensor [tokens, ...]")
     t = t.contiguous()
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
-def crossbar_error(kind: str, msg: str):
+def _usage_error_of(kind: str, msg: str):
+    """crossbar's exception `kind` (e.g. "InvalidUsage") with msg, naming the rank as the C++
+    checks do."""
     import crossbar
+    import torch.distributed as dist
 
+    if dist.is_available() and dist.is_initialized():
+        msg = f"rank {dist.get_rank()} crossbar.moe {msg}"
     return getattr(crossbar, kind, RuntimeError)(msg)
 
 
@@ -293,25 +298,25 @@ class Buffer:
         else:
             output = "config" if dequantize else "quantized"
         if output == "quantized" and self.payload == "native":
-            raise crossbar_error(
+            raise _usage_error_of(
                 "InvalidUsage", "dispatch: the native payload has no quantized form (create the Buffer with "
                 "payload='fp8', 'mxfp8' or 'nvfp4')")
         if pre_quantized:
             if self.payload == "native":
-                raise crossbar_error(
+                raise _usage_error_of(
                     "InvalidUsage", "dispatch: a pre-quantized x (codes, scales) needs a Buffer with a quantized "
                     "payload (fp8, mxfp8, nvfp4); this one sends x as is")
             want = 3 if self.payload == "nvfp4" else 2
             if len(x) != want:
-                raise crossbar_error(
+                raise _usage_error_of(
                     "InvalidUsage", f"dispatch: a pre-quantized {self.payload} x is a tuple of {want} "
                     f"({'codes, scales, global_scale' if want == 3 else 'codes, scales'}), not {len(x)}")
             codes, scales = x[0], x[1]
             if self.payload == "fp8" and isinstance(scales, torch.Tensor) and scales.dtype != torch.float32:
-                raise crossbar_error(
+                raise _usage_error_of(
                     "InvalidUsage", f"dispatch: fp8 scales must be float32 [tokens, ceil(hidden / 128)], not {scales.dtype}")
             if self.payload != "fp8" and isinstance(scales, torch.Tensor) and scales.element_size() != 1:
-                raise crossbar_error(
+                raise _usage_error_of(
                     "InvalidUsage", f"dispatch: {self.payload} scales are one byte each, not {scales.dtype}")
             g = float(x[2]) if want == 3 else 1.0
             d = self._impl.dispatch(None, idx, w, handle, memory, _as_bytes(codes, "codes"),
