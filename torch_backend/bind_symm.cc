@@ -66,6 +66,11 @@ struct SymmAllocation {
 void deleteAllocation(void* ctx) {
   delete static_cast<std::shared_ptr<SymmAllocation>*>(ctx);
 }
+// Storages over a signal pad (SymmHandle.get_signal_pad): they keep the allocation alive like
+// deleteAllocation's, but are not symmetric tensors (their data is not the allocation's start).
+void deletePadView(void* ctx) {
+  delete static_cast<std::shared_ptr<SymmAllocation>*>(ctx);
+}
 
 // One heap per communicator and device (-1: host memory; creation is collective, so it happens
 // once, at the first allocation or barrier there), plus a small buffer whose signal pads carry
@@ -133,11 +138,12 @@ HeapEntry& heapOf(const std::shared_ptr<Communicator>& comm, int device) {
   return c.heaps.emplace(device, std::move(e)).first->second;
 }
 
-at::Tensor storageTensor(const std::shared_ptr<SymmAllocation>& alloc, void* data, size_t nbytes) {
+at::Tensor storageTensor(const std::shared_ptr<SymmAllocation>& alloc, void* data, size_t nbytes,
+                         c10::DeleterFnPtr deleter = &deleteAllocation) {
   const c10::Device device = alloc->device < 0
                                  ? c10::Device(c10::kCPU)
                                  : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(alloc->device));
-  c10::DataPtr ptr(data, new std::shared_ptr<SymmAllocation>(alloc), &deleteAllocation, device);
+  c10::DataPtr ptr(data, new std::shared_ptr<SymmAllocation>(alloc), deleter, device);
   c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<int64_t>(nbytes), std::move(ptr),
                        /*allocator=*/nullptr, /*resizable=*/false);
   return at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device))
@@ -475,6 +481,15 @@ py::dict handleInfo(const at::Tensor& t, const py::object& backend) {
   return d;
 }
 
+// A contiguous `dtype` tensor of `sizes` at element `offset` of `bytes`' storage.
+at::Tensor contiguousOver(const at::Tensor& bytes, const std::vector<int64_t>& sizes, at::ScalarType dtype,
+                          size_t offset) {
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (size_t i = sizes.size(); i-- > 1;) strides[i - 1] = strides[i] * std::max<int64_t>(sizes[i], 1);
+  return at::empty({0}, bytes.options().dtype(dtype))
+      .set_(bytes.storage(), static_cast<int64_t>(offset), sizes, strides);
+}
+
 // SymmHandle.get_buffer: a `dtype` tensor of `sizes` (contiguous) over `rank`'s copy, starting
 // `storage_offset` elements after t's first element; it keeps the allocation alive.
 at::Tensor peerBuffer(const at::Tensor& t, int rank, const std::vector<int64_t>& sizes, at::ScalarType dtype,
@@ -505,11 +520,40 @@ at::Tensor peerBuffer(const at::Tensor& t, int rank, const std::vector<int64_t>&
                                            "allocation, which has {} bytes",
                                            fmt::join(sizes, ", "), c10::toString(dtype), storage_offset, start,
                                            start + numel * itemsize, nbytes));
-  std::vector<int64_t> strides(sizes.size(), 1);
-  for (size_t i = sizes.size(); i-- > 1;) strides[i - 1] = strides[i] * std::max<int64_t>(sizes[i], 1);
-  at::Tensor bytes = storageTensor(a, base, nbytes);
-  return at::empty({0}, bytes.options().dtype(dtype))
-      .set_(bytes.storage(), static_cast<int64_t>(start / itemsize), sizes, strides);
+  return contiguousOver(storageTensor(a, base, nbytes), sizes, dtype, start / itemsize);
+}
+
+// SymmHandle.get_signal_pad: a `dtype` tensor over `rank`'s signal pad (the user channels'
+// slots), `sizes` (default: all of it, 1-D) from element `storage_offset`.
+at::Tensor signalPad(const at::Tensor& t, int rank, std::optional<std::vector<int64_t>> sizes, at::ScalarType dtype,
+                     int64_t storage_offset) {
+  auto a = allocationOf(t, "get_signal_pad");
+  checkPeerRank(*a, rank, "get_signal_pad");
+  const std::string op = rankText(*a) + ": crossbar.symm.SymmHandle.get_signal_pad: ";
+  const symm::SymmetricBuffer& b = *a->buffer;
+  auto* base = static_cast<char*>(b.peerPtr(rank));
+  if (!base)
+    throw InvalidArgument(op + "rank " + std::to_string(rank) + " (host " + a->hosts[static_cast<size_t>(rank)] +
+                          ") is on another node; its signal pad is not mapped here");
+  const size_t pad_bytes =
+      static_cast<size_t>(b.channels()) * static_cast<size_t>(b.worldSize()) * symm::SymmetricBuffer::kSignalSlotBytes;
+  const size_t itemsize = c10::elementSize(dtype);
+  if (!sizes) sizes = std::vector<int64_t>{static_cast<int64_t>(pad_bytes / itemsize)};
+  if (storage_offset < 0) throw InvalidArgument(op + fmt::format("storage_offset {} is negative", storage_offset));
+  size_t numel = 1;
+  for (int64_t d : *sizes) {
+    if (d < 0) throw InvalidArgument(op + fmt::format("negative dimension in sizes ({})", fmt::join(*sizes, ", ")));
+    numel *= static_cast<size_t>(d);
+  }
+  const size_t start = static_cast<size_t>(storage_offset) * itemsize;
+  if (start > pad_bytes || numel * itemsize > pad_bytes - start)
+    throw InvalidArgument(op + fmt::format("sizes ({}) of {} at storage_offset {} need bytes [{}, {}) of the pad, "
+                                           "which has {} bytes ({} channels x {} senders x {})",
+                                           fmt::join(*sizes, ", "), c10::toString(dtype), storage_offset, start,
+                                           start + numel * itemsize, pad_bytes, b.channels(), b.worldSize(),
+                                           symm::SymmetricBuffer::kSignalSlotBytes));
+  return contiguousOver(storageTensor(a, base + b.signalPadOffset(), pad_bytes, &deletePadView), *sizes, dtype,
+                        storage_offset);
 }
 
 // SymmHandle.barrier: every rank signals every other on `channel` of t's own buffer and waits
@@ -636,6 +680,8 @@ void bindSymm(py::module_& m) {
         "of both (int64 CPU tensors for host memory, uint64 tensors on the GPU for CUDA memory; cached).");
   s.def("get_buffer", &peerBuffer, py::arg("t"), py::arg("rank"), py::arg("sizes"), py::arg("dtype"),
         py::arg("storage_offset") = 0);
+  s.def("get_signal_pad", &signalPad, py::arg("t"), py::arg("rank"), py::arg("sizes"),
+        py::arg("dtype"), py::arg("storage_offset") = 0);
   s.def("buffer_barrier", &bufferBarrier, py::arg("t"), py::arg("channel"), py::arg("timeout") = std::nullopt);
   s.def("device_handle", &deviceHandleBytes, py::arg("t"), py::arg("channel"));
   s.def("device_handle_layout", &deviceHandleLayout);

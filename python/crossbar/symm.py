@@ -234,6 +234,16 @@ class SymmHandle:
         sizes = (sizes,) if isinstance(sizes, int) else [int(d) for d in sizes]
         return _C._symm.get_buffer(self._tensor, int(rank), list(sizes), dtype, int(storage_offset))
 
+    def get_signal_pad(self, rank: int, sizes=None, dtype: torch.dtype = torch.int64, storage_offset: int = 0):
+        """A contiguous ``dtype`` tensor over ``rank``'s signal pad (``signal_pad_size`` bytes:
+        the user channels' slots), ``sizes`` (default: all of it, 1-D) from element
+        ``storage_offset``. With int64 and sizes ``(channels, world_size, 2)``, ``[c, s, 0]`` is
+        the counter that rank s writes for channel c. Not a symmetric tensor (``peer`` refuses
+        it); it keeps the allocation alive."""
+        if sizes is not None:
+            sizes = [int(sizes)] if isinstance(sizes, int) else [int(d) for d in sizes]
+        return _C._symm.get_signal_pad(self._tensor, int(rank), sizes, dtype, int(storage_offset))
+
     def barrier(self, channel: int = 0, timeout=None) -> None:
         """Every rank signals every other on ``channel`` of this buffer's pads and waits for
         all (CPU: ``timeout`` as in ``wait_signal``; CUDA: on the current stream, no timeout).

@@ -3,7 +3,7 @@ rank's pointer (ctypes) land in that rank's copy, for a whole tensor and for a v
 offset; the pointer tables behind buffer_ptrs_dev / signal_pad_ptrs_dev hold the same addresses;
 get_buffer aliases peers' copies (other dtypes, offsets, range and alignment errors); raw stores
 into the documented signal pad slot are what wait_signal consumes, and crossbar's signal lands
-in that slot; the handle's barrier and signals; errors for non-symmetric tensors, wrong groups,
+in that slot; get_signal_pad shows the same counters and a write through it is a signal; the handle's barrier and signals; errors for non-symmetric tensors, wrong groups,
 out-of-range ranks and channels; ranks on another (virtual) node are not mapped."""
 
 import ctypes
@@ -141,6 +141,19 @@ def _handle(rank, world):
     h.wait_signal(prv, channel=4, timeout=WAIT_S)
     with pytest.raises(crossbar.TimeoutError, match="channel 5"):
         h.wait_signal(prv, channel=5, timeout=0.2)
+
+    # get_signal_pad: the same counters as a tensor ([c, s, 0]: sender s's counter of channel c).
+    pad = h.get_signal_pad(rank, (h.channels, world, 2), torch.int64)
+    assert pad.data_ptr() == h.signal_pad_ptrs[rank] and not symm.is_symmetric(pad)
+    assert pad[1, :, 0].tolist() == [0 if s == rank else 3 for s in range(world)]  # the raw rounds
+    assert pad[2, :, 0].tolist() == [0 if s == rank else 1 for s in range(world)]
+    assert h.get_signal_pad(rank).numel() == h.signal_pad_size // 8
+    h.get_signal_pad(nxt, (h.channels, world, 2), torch.int64)[6, rank, 0] += 1  # a signal to nxt
+    h.wait_signal(prv, channel=6, timeout=WAIT_S)
+    with pytest.raises(crossbar.InvalidArgument, match=f"of the pad, which has {h.signal_pad_size} bytes"):
+        h.get_signal_pad(rank, h.signal_pad_size // 8 + 1)
+    with pytest.raises(crossbar.InvalidArgument, match="not a symmetric tensor"):
+        symm.peer(pad, rank)
 
     # Errors.
     with pytest.raises(crossbar.InvalidArgument, match="not a symmetric tensor"):
