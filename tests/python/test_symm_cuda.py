@@ -249,6 +249,9 @@ def _handle(rank, world):
     symm.barrier(device="cuda")
     got = _host(symm, _at(h.signal_slot_ptr(rank, other, 3), 1, "<i8").clone()).item()
     assert got == (1 if rank == 1 else 0), f"rank {rank}: counter of rank {other} on channel 3 is {got}"
+    pad = h.get_signal_pad(rank, (h.channels, world, 2), torch.int64)  # the same counters, on the GPU
+    assert pad.device == t.device and pad.data_ptr() == h.signal_pad_ptrs[rank]
+    assert _host(symm, pad)[3, other, 0].item() == got
     if rank == 1:
         symm.wait_signal(t, 0, channel=3)  # consume it
 
