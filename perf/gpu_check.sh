@@ -17,7 +17,7 @@
 #   ce         perf/gpu/ce_bandwidth: copy-engine bandwidth vs the D2D ceiling
 #   torch      perf/gpu/build_torch_ext.sh builds crossbar._C against THIS machine's torch (started
 #              in the background at the top, overlapping the GPU stages),
-#              then pytest tests/python -k cuda (test_torch_cuda.py, test_moe_cuda.py)
+#              then pytest tests/python -k cuda (test_torch_cuda.py, test_moe_cuda.py, test_symm_cuda.py)
 #   sanitizer  compute-sanitizer memcheck + racecheck on the selftest kernels
 # Logs and JSON results go to $OUT (or build-gpu-check-logs/). GPU_CHECK_BUILD_S (120) and
 # GPU_CHECK_TORCH_BUILD_S (150) bound the two builds (raise them on a slow machine).
@@ -356,7 +356,7 @@ if want torch; then
       record "torch build" FAIL "exit $rc; see torch-build.log"
     else
       record "torch build" PASS "$(grep -m1 '^torch ' "$LOG/torch-build.log" | cut -d';' -f1)"
-      lim=$(limit 120)
+      lim=$(limit 240)  # three CUDA test files, several spawning 2-rank groups
       if [ "$lim" = 0 ]; then
         record "torch pytest -k cuda" SKIP "out of time"
       elif ! python3 -c 'import pytest' 2>/dev/null; then
