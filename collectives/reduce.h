@@ -396,9 +396,9 @@ void reduceResolved(void* dst, const void* const* srcs, size_t nsrc, size_t n, d
 }
 }  // namespace reducedetail
 
-// The function reduce() calls for (t, op). Flattened into two jump tables (~20
-// instructions), where dispatching the call itself through the nested visitors cost ~250
-// (a small collective's whole reduction is ~70).
+// The function reduce() calls for (t, op). Flattened into jump tables: ~66 instructions
+// (callgrind), where dispatching the call itself through the nested visitors cost ~250
+// (a small collective's whole reduction of two floats is ~70).
 __attribute__((flatten)) inline ReduceFn reduceFunction(DataType t, ReduceOp op) {
   ReduceFn f = nullptr;
   reducedetail::dispatch(t, op, "reduce", [&]<class T, ReduceOp Op>() { f = &reducedetail::reduceResolved<T, Op>; });
