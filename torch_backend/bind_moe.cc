@@ -177,6 +177,35 @@ struct PyResultMemory {
   std::shared_ptr<ResultMemory> memory;
 };
 
+// Which forms a dispatch returns (moe::RecvOutput): the dequantized x, the quantized rows, or both.
+struct ReturnedForms {
+  bool x = false;
+  bool quantized = false;
+};
+ReturnedForms returnedForms(const MoeConfig& cfg, moe::RecvOutput recv) {
+  ReturnedForms f;
+  f.x = recv != moe::RecvOutput::kQuantized;
+  f.quantized = cfg.format != PayloadFormat::kNative &&
+                (recv == moe::RecvOutput::kQuantized || recv == moe::RecvOutput::kBoth ||
+                 (recv == moe::RecvOutput::kConfig && cfg.return_quantized));
+  return f;
+}
+
+// The arguments both executors take: x, or the pre-quantized x when x is absent.
+MoeBuffer::DispatchArgs dispatchArgs(const at::Tensor& topk_idx, const std::optional<at::Tensor>& x,
+                                     const moe::QuantizedTokens& xq, const float* weights,
+                                     moe::RecvOutput recv) {
+  MoeBuffer::DispatchArgs a;
+  a.tokens = static_cast<size_t>(topk_idx.size(0));
+  a.x = x ? x->data_ptr() : nullptr;
+  a.x_quantized = x ? nullptr : &xq;
+  a.topk_idx = topk_idx.data_ptr<int64_t>();
+  a.topk_weights = weights;
+  a.output = recv;
+  return a;
+}
+
+
 // A byte tensor viewing `v` (owned by `keep`, which the tensor keeps alive).
 at::Tensor viewBytes(std::vector<uint8_t>& v, const std::shared_ptr<void>& keep) {
   if (v.empty()) return at::empty({0}, at::TensorOptions().dtype(at::kByte));
@@ -337,15 +366,9 @@ class PyBuffer {
       DispatchResult spare;
       ResultMemory* old = out && out->memory ? out->memory.get() : nullptr;
       if (old) moveArrays(*old, spare);
-      MoeBuffer::DispatchArgs a;
-      a.tokens = static_cast<size_t>(topk_idx.size(0));
-      a.x = x ? x->data_ptr() : nullptr;
-      a.x_quantized = x ? nullptr : &xq;
-      a.topk_idx = topk_idx.data_ptr<int64_t>();
-      a.topk_weights = w;
+      MoeBuffer::DispatchArgs a = dispatchArgs(topk_idx, x, xq, w, recv);
       a.cached = cached ? cached->handle : nullptr;
       a.recycle = old ? &spare : nullptr;
-      a.output = recv;
       try {
         r = buf_->dispatch(a);
       } catch (...) {
@@ -366,11 +389,8 @@ class PyBuffer {
     const int64_t le = buf_->numLocalExperts(), m = static_cast<int64_t>(r.expert_rows.size());
     const at::ScalarType st = scalarType(cfg.dtype);
     py::dict d;
-    // The forms this call returned (moe::RecvOutput): x, the quantized rows, or both.
-    const bool has_x = recv != moe::RecvOutput::kQuantized;
-    const bool has_q = cfg.format != PayloadFormat::kNative &&
-                       (recv == moe::RecvOutput::kQuantized || recv == moe::RecvOutput::kBoth ||
-                        (recv == moe::RecvOutput::kConfig && cfg.return_quantized));
+    const ReturnedForms forms = returnedForms(cfg, recv);
+    const bool has_x = forms.x, has_q = forms.quantized;
     if (has_x) d["x"] = viewBytes(mem->x, mem).view(st).view({n, H});
     d["src_rank"] = toTensor(r.src_rank, at::kInt, {n});
     d["src_token"] = toTensor(r.src_token, at::kInt, {n});
@@ -511,14 +531,7 @@ class PyBuffer {
     moe::CudaDispatchResult r;
     {
       py::gil_scoped_release release;
-      MoeBuffer::DispatchArgs a;
-      a.tokens = static_cast<size_t>(topk_idx.size(0));
-      a.x = x ? x->data_ptr() : nullptr;
-      a.x_quantized = x ? nullptr : &xq;
-      a.topk_idx = topk_idx.data_ptr<int64_t>();
-      a.topk_weights = w;
-      a.output = recv;
-      r = cuda_->dispatch(a, stream.stream(), cached ? cached->cuda : nullptr);
+      r = cuda_->dispatch(dispatchArgs(topk_idx, x, xq, w, recv), stream.stream(), cached ? cached->cuda : nullptr);
     }
     const int64_t n = static_cast<int64_t>(r.num_recv), H = static_cast<int64_t>(cfg.hidden), k = cfg.topk;
     const int64_t le = cuda_->numLocalExperts(),
@@ -527,10 +540,8 @@ class PyBuffer {
     const auto& own = r.storage;
     const int d = cuda_device_;
     py::dict out;
-    const bool has_x = recv != moe::RecvOutput::kQuantized;
-    const bool has_q = cfg.format != PayloadFormat::kNative &&
-                       (recv == moe::RecvOutput::kQuantized || recv == moe::RecvOutput::kBoth ||
-                        (recv == moe::RecvOutput::kConfig && cfg.return_quantized));
+    const ReturnedForms forms = returnedForms(cfg, recv);
+    const bool has_x = forms.x, has_q = forms.quantized;
     if (has_x) out["x"] = viewOf(r.x, st, {n, H}, own, d);
     // These four live in the handle's routing indices: copies (on the stream), so that changing
     // them cannot change the handle, as with the CPU path's independent tensors.
