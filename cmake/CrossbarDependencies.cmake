@@ -3,7 +3,23 @@ find_package(Threads REQUIRED)
 find_package(fmt REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
-pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
+# UCX: the system's (pkg-config; Debian 12: 1.13) unless CROSSBAR_UCX_ROOT names another
+# install prefix with a CMake package (lib/cmake/ucx), e.g. the libucx-cu13 wheel's
+# site-packages/libucx (UCX 1.22; scripts/setup.sh with CROSSBAR_UCX=pypi). Either way the
+# layers link PkgConfig::UCX. The wheel's .pc files name its build machine's prefix, so
+# its CMake package (relocatable) is used instead.
+set(CROSSBAR_UCX_ROOT "" CACHE PATH "UCX install prefix to build against instead of the system's (empty: pkg-config ucx)")
+if(CROSSBAR_UCX_ROOT)
+  find_package(ucx CONFIG REQUIRED PATHS "${CROSSBAR_UCX_ROOT}" NO_DEFAULT_PATH)
+  add_library(PkgConfig::UCX INTERFACE IMPORTED)
+  target_link_libraries(PkgConfig::UCX INTERFACE ucx::ucp ucx::uct ucx::ucs)
+  # Build trees get the wheel's lib/ in their RPATH from the imported locations;
+  # installed libraries and binaries keep it too (it is outside the system's paths).
+  set(CMAKE_INSTALL_RPATH_USE_LINK_PATH ON)
+  message(STATUS "crossbar: UCX ${ucx_VERSION} from ${CROSSBAR_UCX_ROOT}")
+else()
+  pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
+endif()
 
 # CUDA: AUTO turns on when nvcc is found. The build links libcudart only (never
 # libcuda) so it loads on machines without a driver.

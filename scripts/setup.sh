@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what crossbar needs on Debian 12 (idempotent), then configures and builds.
 #   scripts/setup.sh [build-dir]      (default: build)
-# Environment: CROSSBAR_CMAKE_ARGS adds CMake options; CI=true turns warnings into errors.
+# Environment: CROSSBAR_CMAKE_ARGS adds CMake options; CI=true turns warnings into errors;
+#   CROSSBAR_UCX=system (default: Debian's libucx-dev, UCX 1.13) or pypi (UCX 1.22 from the
+#   libucx-cu13 wheel, pip-installed; CROSSBAR_UCX_WHEEL names another requirement).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${1:-build}
@@ -32,7 +34,24 @@ if ((${#need_py[@]})); then
     python3 -m pip install -q --disable-pip-version-check --break-system-packages "${need_py[@]}"
 fi
 
-CMAKE_ARGS=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo)
+# UCX to build against. pypi: the wheel's libucx/ (headers, libraries, a relocatable CMake
+# package) becomes CROSSBAR_UCX_ROOT; binaries find its libraries through their RPATH.
+# system clears CROSSBAR_UCX_ROOT, so a build directory can be switched back.
+UCX_CMAKE_ARGS=()
+case "${CROSSBAR_UCX:-system}" in
+  system) UCX_CMAKE_ARGS+=(-DCROSSBAR_UCX_ROOT=) ;;
+  pypi)
+    UCX_WHEEL=${CROSSBAR_UCX_WHEEL:-libucx-cu13>=1.22,<1.23}
+    echo "setup: pip installing $UCX_WHEEL (CROSSBAR_UCX=pypi)"
+    python3 -m pip install -q --disable-pip-version-check "$UCX_WHEEL" ||
+      python3 -m pip install -q --disable-pip-version-check --break-system-packages "$UCX_WHEEL"
+    UCX_ROOT=$(python3 -c 'import libucx, os; print(os.path.dirname(libucx.__file__))')
+    UCX_CMAKE_ARGS+=(-DCROSSBAR_UCX_ROOT="$UCX_ROOT")
+    ;;
+  *) echo "setup: CROSSBAR_UCX=${CROSSBAR_UCX} is not 'system' or 'pypi'" >&2; exit 2 ;;
+esac
+
+CMAKE_ARGS=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${UCX_CMAKE_ARGS[@]}")
 if [[ "${CI:-}" == "true" ]]; then CMAKE_ARGS+=(-DCROSSBAR_WERROR=ON); fi
 # shellcheck disable=SC2206
 CMAKE_ARGS+=(${CROSSBAR_CMAKE_ARGS:-})

@@ -1,0 +1,187 @@
+// A member of a shrunk epoch is SIGKILLed in the middle of its UCX endpoint wireup.
+// UCX 1.13 (Debian 12) can then abort a survivor inside UCX:
+//   wireup_ep.c:241 Assertion 'wireup_ep->pending_count == 0' failed
+// (docs/fault-tolerance.md, Known limits). The promise is that survivors always
+// detect, shrink and continue, so this counts survivor crashes over many trials.
+//
+// One trial: 4 ranks, one per virtual node (CROSSBAR_RANKS_PER_NODE=1: every pair talks
+// over UCX). Rank 3 is SIGKILLed in a collective loop; the others shrink to epoch 1
+// (3 ranks), in whose setup old rank 1 (rank 1 of epoch 1) dies:
+//   hook:  at the first `ucx handshake` interruption point (CROSSBAR_FT_TEST_EXIT_AT):
+//          endpoints created, handshake messages posted, nothing progressed yet;
+//   delay: `delay_us` after every member of epoch 1 published its UCX address (a thread
+//          of the victim watches the store), i.e. somewhere in the endpoints' wireup.
+// Ranks 0 and 2 must fail within the detection bound, blame exactly that rank, shrink to
+// 2 ranks in epoch 2 and compute correctly; only ranks 3 and 1 may die, of SIGKILL.
+//
+// Disabled (not in CI): both UCX versions measured still abort a survivor in some trials
+// (docs/fault-tolerance.md, "UCX versions and the wireup abort"). Run it with
+//   test_ft_ucx_wireup --gtest_also_run_disabled_tests --gtest_filter='*Stress*' [--gtest_repeat=N]
+// 20 trials per repeat; one line per trial and the counts. A trial's survivors must
+// finish within 30 s (a trial takes about 1 s); one still running then counts as hung.
+#include <fmt/format.h>
+#include <signal.h>
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "ft_testing.h"
+
+namespace crossbar::testing {
+namespace {
+
+using ft::FailureKind;
+using ft::FaultTolerantComm;
+
+constexpr Millis kDetect{3000};
+constexpr Millis kSlack{2000};
+
+enum class KillAt { kHook, kDelay };
+
+struct TrialResult {
+  int survivor_crashes = 0;   // survivors that died of a signal (the UCX assertion: SIGABRT)
+  int survivor_hangs = 0;     // survivors still running at the run's timeout (killed by the harness)
+  int survivor_failures = 0;  // survivors that finished with a failed check
+  std::string summary;
+};
+
+// Store keys of epoch 1's UCX addresses (FT name "ft", the epoch's first context, its
+// "ucx" transport: comm/ft.cc, comm/communicator.cc, comm/ucx_transport.cc).
+std::string addressKey(int rank) {
+  return fmt::format("crossbar/ft/ft/e1/ctx/crossbar/ctx1/ucx/ucx/addr/{}", rank);
+}
+
+TrialResult wireupTrial(KillAt mode, int delay_us, uint32_t seed) {
+  const int n = 4, first = 3, second = 1;  // `second`: rank 1 in epochs 0 and 1
+  RunOptions options;
+  options.allow_rank_death = true;
+  options.timeout = Millis(30'000);  // a trial takes about 1 s; longer is a hang
+  options.env["CROSSBAR_FT_DETECT_TIMEOUT"] = fmt::format("{}ms", kDetect.count());
+  options.env["CROSSBAR_CONNECT_TIMEOUT"] = "60s";
+  options.env["CROSSBAR_RANKS_PER_NODE"] = "1";
+  if (mode == KillAt::kHook) options.env["CROSSBAR_FT_TEST_EXIT_AT"] = fmt::format("1:{}:ucx handshake", second);
+  auto results = runRanks(
+      n,
+      [&](RankEnv& env) {
+        auto ft = FaultTolerantComm::create(env.store, env.rank, n, ftOptions(env));
+        std::atomic<bool> done{false};
+        std::thread killer;
+        if (mode == KillAt::kDelay && env.rank == second) {
+          killer = std::thread([&] {
+            auto store = detectorStore(env);  // its own connection: the TCP client serializes calls
+            const std::vector<std::string> keys = {addressKey(0), addressKey(1), addressKey(2)};
+            while (!done.load() && !store->check(keys)) std::this_thread::sleep_for(std::chrono::microseconds(100));
+            if (done.load()) return;
+            std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+            ::kill(::getpid(), SIGKILL);
+          });
+        }
+        auto coll = std::make_unique<Collectives>(ft->comm());
+        for (int it = 0; it < 4; ++it) step(*coll, it, seed);
+        try {
+          for (int it = 0; it < 2000; ++it) {
+            if (env.rank == first && it == 2) ::kill(::getpid(), SIGKILL);
+            step(*coll, it, seed + 1);
+          }
+          ADD_FAILURE() << "no failure after 2000 iterations";
+          return;
+        } catch (const Error& e) {
+          auto faults = ft->handleError(e);
+          ASSERT_EQ(faults.size(), 1u) << e.what();
+          EXPECT_EQ(faults[0].rank, first);
+        }
+        coll.reset();
+        // Epoch 1: rank 1 dies in its setup (or, late in the delay mode, in the first
+        // collectives). The second attempt shrinks to ranks 0 and 2 in epoch 2.
+        for (int attempt = 0;; ++attempt) {
+          const int64_t t0 = monoNs();
+          try {
+            ft->shrink();
+            coll = std::make_unique<Collectives>(ft->comm());
+            for (int it = 0; it < 4; ++it) step(*coll, it, seed + 2);
+            break;
+          } catch (const Error& e) {
+            coll.reset();
+            ASSERT_EQ(attempt, 0) << "unexpected second failure: " << e.what();
+            EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kAborted) << e.what();
+            EXPECT_LT(monoNs() - t0, (kDetect + kSlack).count() * 1'000'000LL)
+                << "waited too long for the member that died while epoch 1 was built: " << e.what();
+            auto faults = ft->handleError(e);
+            ASSERT_EQ(faults.size(), 1u) << e.what();
+            EXPECT_EQ(faults[0].rank, second) << faults[0].describe();
+            EXPECT_EQ(faults[0].kind, FailureKind::kDead) << faults[0].describe();
+          }
+        }
+        done = true;
+        if (killer.joinable()) killer.join();
+        // Ranks 0 and 2 only: the victim never gets here.
+        EXPECT_EQ(ft->epoch(), 2u);
+        EXPECT_EQ(ft->size(), 2);
+        EXPECT_EQ(ft->rank(), env.rank == 0 ? 0 : 1);
+        coll.reset();
+        ft->comm()->barrier();
+      },
+      options, /*expect_ok=*/false);
+
+  TrialResult out;
+  std::string detail;
+  for (const auto& r : results) {
+    if (r.rank == first || r.rank == second) {
+      EXPECT_EQ(r.exit_code, -SIGKILL) << "rank " << r.rank << " should have been killed:\n" << r.failure;
+      continue;
+    }
+    if (r.ok) continue;
+    if (r.failure.find("did not finish") != std::string::npos) {
+      ++out.survivor_hangs;
+      detail += fmt::format(" rank {} hung;", r.rank);
+    } else if (r.exit_code < 0) {
+      ++out.survivor_crashes;
+      detail += fmt::format(" rank {} died of signal {} ({});", r.rank, -r.exit_code, strsignal(-r.exit_code));
+    } else {
+      ++out.survivor_failures;
+    }
+    ADD_FAILURE() << "survivor rank " << r.rank << " (exit " << r.exit_code << "):\n" << r.failure;
+  }
+  out.summary = fmt::format("{}{}: {}", mode == KillAt::kHook ? "hook 'ucx handshake'" : "delay ",
+                            mode == KillAt::kHook ? std::string() : fmt::format("{} us", delay_us),
+                            detail.empty() && out.survivor_failures == 0 ? std::string("survivors ok")
+                            : detail.empty()                              ? std::string(" a survivor's check failed")
+                                                                          : detail);
+  return out;
+}
+
+// Runs `trials` trials, alternating the two modes (delays drawn from `seed`), and prints
+// one line per trial and the counts.
+void runTrials(int trials, uint32_t seed) {
+  std::mt19937 rng(seed);
+  int crashes = 0, crashed_trials = 0, hung_trials = 0, failed_trials = 0;
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  for (int t = 0; t < trials; ++t) {
+    const KillAt mode = t % 2 == 0 ? KillAt::kHook : KillAt::kDelay;
+    const int delay_us = static_cast<int>(rng() % 3000);
+    SCOPED_TRACE(fmt::format("trial {}", t));
+    TrialResult r = wireupTrial(mode, delay_us, seed + 10 * t);
+    crashes += r.survivor_crashes;
+    crashed_trials += r.survivor_crashes > 0;
+    hung_trials += r.survivor_hangs > 0;
+    failed_trials += r.survivor_failures > 0;
+    fmt::print("wireup kill trial {} (UCX {}.{}.{}): {}\n", t, major, minor, release, r.summary);
+  }
+  fmt::print("wireup kill trials (UCX {}.{}.{}): {} trials, {} with a survivor crash ({} survivors), {} with a "
+             "hung survivor, {} with a survivor's failed check\n",
+             major, minor, release, trials, crashed_trials, crashes, hung_trials, failed_trials);
+  std::fflush(stdout);
+}
+
+// test_ft_ucx_wireup --gtest_also_run_disabled_tests --gtest_filter='*Stress*' [--gtest_repeat=N]
+TEST(FtUcxWireup, DISABLED_Stress) {
+  static uint32_t repeat = 0;  // a new set of delays per --gtest_repeat
+  runTrials(20, 1000 + 100 * repeat++);
+}
+
+}  // namespace
+}  // namespace crossbar::testing
