@@ -973,6 +973,7 @@ void FaultTolerantComm::close() {
   }
   if (detector_) detector_->stop();
   detector_.reset();
+  failed_setup_watch_.reset();
   comm_.reset();
   setup_faults_.clear();
 }
@@ -1058,7 +1059,10 @@ void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int m
     } catch (const std::exception& store_error) {
       CB_WARN("ft", "could not publish the failed setup of epoch {}: {}", epoch, store_error.what());
     }
-    watch->stop();
+    // Not stopped: the agreement that follows needs this rank's heartbeat, and the
+    // watch's verdicts on the others (a leader dying now would otherwise be waited for
+    // until CROSSBAR_TIMEOUT: no detector exists for a failed epoch).
+    failed_setup_watch_ = watch;
     std::string message = fmt::format(
         "{}building epoch {} of '{}' failed: {}. Call handleError() and shrink() again to continue without "
         "them (cause: {})",
@@ -1109,7 +1113,10 @@ std::string FaultTolerantComm::awaitDecision(const std::function<std::string()>&
 }
 
 std::vector<PeerFault> FaultTolerantComm::currentFaults() const {
-  return detector_ ? detector_->faults() : setup_faults_;
+  if (detector_) return detector_->faults();
+  std::vector<PeerFault> faults = setup_faults_;
+  if (failed_setup_watch_ && setupFailed()) merge(faults, failed_setup_watch_->faults());
+  return faults;
 }
 
 Deadline FaultTolerantComm::operationDeadline() const {
@@ -1233,6 +1240,7 @@ std::shared_ptr<Communicator> FaultTolerantComm::applyDecision(const std::string
   const uint64_t old_epoch = epoch_;
   if (detector_) detector_->stop();
   detector_.reset();
+  failed_setup_watch_.reset();  // the next epoch's watch (above) keeps the heartbeat
   const std::string ended = fmt::format("epoch {} replaced by epoch {}", old_epoch, epoch);
   if (comm_ && !comm_->aborted()) comm_->abort(ended);
   std::vector<std::shared_ptr<EpochResource>> resources;

@@ -258,7 +258,8 @@ class FaultTolerantComm {
   void enter(uint64_t epoch, std::vector<Member> members, int my_rank);
   void requireOpen(const char* op) const;  // InvalidUsage after close() or Excluded
   bool setupFailed() const { return !comm_ && !setup_faults_.empty(); }
-  std::vector<PeerFault> currentFaults() const;  // the detector's, or the failed setup's
+  // The detector's, or the failed setup's and what its watch found since.
+  std::vector<PeerFault> currentFaults() const;
   Deadline operationDeadline() const;
   std::string epochPrefix(uint64_t epoch) const;
   std::shared_ptr<Store> epochStore(uint64_t epoch, bool detector) const;
@@ -280,6 +281,9 @@ class FaultTolerantComm {
   std::vector<PeerFault> setup_faults_;
   std::unique_ptr<EpochChange> unadvanced_;
   std::shared_ptr<SetupWatch> setup_watch_;  // from the decision until enter() takes it
+  // After a failed setup, until the next decision: keeps this rank's heartbeat and finds
+  // members that die meanwhile (a leader that dies in the agreement is replaced).
+  std::shared_ptr<SetupWatch> failed_setup_watch_;
   std::unique_ptr<FailureDetector> detector_;
   std::shared_ptr<CallbackList> callbacks_;  // also holds the attached resources
 };

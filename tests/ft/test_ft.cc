@@ -343,6 +343,62 @@ TEST(FtShrink, MemberDiesDuringSetupOfShrunkEpoch) {
   memberDiesDuringSetup("ucx handshake", 2, /*hang=*/true);
 }
 
+// After a failed setup no detector runs, yet the survivors' agreement must see its
+// leader die. Rank 3 is killed; rank 1 dies in epoch 1's setup (shm/nonce); then rank
+// 0, the leader of the next agreement, dies once rank 2 has handled the failed setup.
+// Rank 2 must lead itself: a communicator of one within the detection bound (it used to
+// wait for rank 0's decision until CROSSBAR_TIMEOUT), which then computes.
+TEST(FtShrink, LeaderDiesInAgreementAfterFailedSetup) {
+  const int n = 4, first = 3, second = 1, leader = 0, last = 2;
+  auto options = ftRun();
+  options.env["CROSSBAR_CONNECT_TIMEOUT"] = "60s";
+  options.env["CROSSBAR_TIMEOUT"] = "60s";
+  options.env["CROSSBAR_FT_TEST_EXIT_AT"] = fmt::format("1:{}:shm/nonce", second);
+  auto results = runRanks(
+      n,
+      [&](RankEnv& env) {
+        auto ft = FaultTolerantComm::create(env.store, env.rank, n, ftOptions(env));
+        auto coll = std::make_unique<Collectives>(ft->comm());
+        try {
+          for (int it = 0; it < 2000; ++it) {
+            if (env.rank == first && it == 2) ::kill(::getpid(), SIGKILL);
+            step(*coll, it, 41);
+          }
+          ADD_FAILURE() << "no failure after 2000 iterations";
+          return;
+        } catch (const Error& e) {
+          auto faults = ft->handleError(e);
+          ASSERT_EQ(faults.size(), 1u) << e.what();
+          EXPECT_EQ(faults[0].rank, first);
+        }
+        coll.reset();
+        try {
+          ft->shrink();
+          ADD_FAILURE() << "building epoch 1 should have failed: its rank 1 dies in the setup";
+          return;
+        } catch (const Error& e) {
+          auto faults = ft->handleError(e);
+          ASSERT_EQ(faults.size(), 1u) << e.what();
+          EXPECT_EQ(faults[0].rank, second) << faults[0].describe();  // old rank 1 is rank 1 of epoch 1 too
+        }
+        if (env.rank == last) env.store->set("test/last_handled", "1");
+        if (env.rank == leader) {
+          env.store->wait({"test/last_handled"}, Deadline::after(kSlack));
+          ::kill(::getpid(), SIGKILL);
+        }
+        const int64_t t0 = monoNs();
+        ft->shrink();
+        EXPECT_LT(monoNs() - t0, (kDetect + kSlack).count() * 1'000'000LL)
+            << "the survivor waited for the dead leader's decision";
+        EXPECT_EQ(ft->size(), 1);
+        EXPECT_EQ(ft->rank(), 0);
+        coll = std::make_unique<Collectives>(ft->comm());
+        for (int it = 0; it < 2; ++it) step(*coll, it, 42);
+      },
+      options, /*expect_ok=*/false);
+  expectOutcome(results, {first, second, leader});
+}
+
 // The hang test runs the default (symmetric-memory) algorithms: their signal waits
 // observe the revoke (Context::aborted) within one 100 ms wait slice.
 RunOptions hangRun() {
