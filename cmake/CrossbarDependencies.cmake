@@ -10,6 +10,7 @@ pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
 # its CMake package (relocatable) is used instead.
 set(CROSSBAR_UCX_ROOT "" CACHE PATH "UCX install prefix to build against instead of the system's (empty: pkg-config ucx)")
 if(CROSSBAR_UCX_ROOT)
+  unset(ucx_DIR CACHE)  # found again under the current root, not a previous one
   find_package(ucx CONFIG REQUIRED PATHS "${CROSSBAR_UCX_ROOT}" NO_DEFAULT_PATH)
   add_library(PkgConfig::UCX INTERFACE IMPORTED)
   target_link_libraries(PkgConfig::UCX INTERFACE ucx::ucp ucx::uct ucx::ucs)
