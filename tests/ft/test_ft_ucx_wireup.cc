@@ -62,7 +62,8 @@ TrialResult wireupTrial(KillAt mode, int delay_us, uint32_t seed) {
   options.env["CROSSBAR_FT_DETECT_TIMEOUT"] = fmt::format("{}ms", kDetect.count());
   options.env["CROSSBAR_CONNECT_TIMEOUT"] = "60s";
   options.env["CROSSBAR_RANKS_PER_NODE"] = "1";
-  if (mode == KillAt::kHook) options.env["CROSSBAR_FT_TEST_EXIT_AT"] = fmt::format("1:{}:ucx handshake", second);
+  if (mode == KillAt::kHook)
+    options.env["CROSSBAR_FT_TEST_EXIT_AT"] = fmt::format("1:{}:ucx handshake", second);
   auto results = runRanks(
       n,
       [&](RankEnv& env) {
@@ -73,7 +74,8 @@ TrialResult wireupTrial(KillAt mode, int delay_us, uint32_t seed) {
           killer = std::thread([&] {
             auto store = detectorStore(env);  // its own connection: the TCP client serializes calls
             const std::vector<std::string> keys = {addressKey(0), addressKey(1), addressKey(2)};
-            while (!done.load() && !store->check(keys)) std::this_thread::sleep_for(std::chrono::microseconds(100));
+            while (!done.load() && !store->check(keys))
+              std::this_thread::sleep_for(std::chrono::microseconds(100));
             if (done.load()) return;
             std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
             ::kill(::getpid(), SIGKILL);
@@ -139,7 +141,8 @@ TrialResult wireupTrial(KillAt mode, int delay_us, uint32_t seed) {
       detail += fmt::format(" rank {} hung;", r.rank);
     } else if (r.exit_code < 0) {
       ++out.survivor_crashes;
-      detail += fmt::format(" rank {} died of signal {} ({});", r.rank, -r.exit_code, strsignal(-r.exit_code));
+      detail +=
+          fmt::format(" rank {} died of signal {} ({});", r.rank, -r.exit_code, strsignal(-r.exit_code));
     } else {
       ++out.survivor_failures;
     }
@@ -148,8 +151,8 @@ TrialResult wireupTrial(KillAt mode, int delay_us, uint32_t seed) {
   out.summary = fmt::format("{}{}: {}", mode == KillAt::kHook ? "hook 'ucx handshake'" : "delay ",
                             mode == KillAt::kHook ? std::string() : fmt::format("{} us", delay_us),
                             detail.empty() && out.survivor_failures == 0 ? std::string("survivors ok")
-                            : detail.empty()                              ? std::string(" a survivor's check failed")
-                                                                          : detail);
+                            : detail.empty() ? std::string(" a survivor's check failed")
+                                             : detail);
   return out;
 }
 
@@ -171,9 +174,10 @@ void runTrials(int trials, uint32_t seed) {
     failed_trials += r.survivor_failures > 0;
     fmt::print("wireup kill trial {} (UCX {}.{}.{}): {}\n", t, major, minor, release, r.summary);
   }
-  fmt::print("wireup kill trials (UCX {}.{}.{}): {} trials, {} with a survivor crash ({} survivors), {} with a "
-             "hung survivor, {} with a survivor's failed check\n",
-             major, minor, release, trials, crashed_trials, crashes, hung_trials, failed_trials);
+  fmt::print(
+      "wireup kill trials (UCX {}.{}.{}): {} trials, {} with a survivor crash ({} survivors), {} with a "
+      "hung survivor, {} with a survivor's failed check\n",
+      major, minor, release, trials, crashed_trials, crashes, hung_trials, failed_trials);
   std::fflush(stdout);
 }
 
