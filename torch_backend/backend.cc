@@ -1048,6 +1048,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::submit(c10d::OpType type, const 
                                                        const std::function<void(CrossbarWork&, Ops&)>& issue,
                                                        bool p2p) {
   ensureUsable(title);
+  if (!p2p) ++coll_seq_;
   if (on.defined() && on.is_cuda()) return submitCuda(type, title, std::move(outputs), timeout, on, issue, p2p);
   if (coalescing_ && coalesced_kind_ == 2)
     throw InvalidUsage(errorContext(rank_, title) +

@@ -242,6 +242,10 @@ class CrossbarBackend : public c10d::Backend {
                                            const c10::intrusive_ptr<c10d::Backend::Options>& opts_override = nullptr);
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+  // Collectives issued on this group so far (every rank counts the same calls; point to
+  // point is not counted). torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wrapper compares it across
+  // ranks before each collective to detect mismatched calls.
+  uint64_t getSequenceNumberForGroup() override { return coll_seq_.load(); }
   void setTimeout(std::chrono::milliseconds timeout);
   // The default group: aborts its communicator (every group over it ends). A split
   // (new_group, split_group): only this group's pending work fails; the others go on.
@@ -324,6 +328,7 @@ class CrossbarBackend : public c10d::Backend {
   std::atomic<size_t> p2p_active_{0};  // point-to-point works the p2p thread holds
   mutable std::mutex shrink_mu_;
   ShrinkHandler shrink_handler_;
+  std::atomic<uint64_t> coll_seq_{0};  // getSequenceNumberForGroup
   uint64_t monitored_barrier_calls_ = 0;  // on this group so far (see monitored_barrier.cc)
 };
 
