@@ -66,7 +66,8 @@ bool receiveCall(Communicator& comm, RequestPtr& req, BarrierMessage* slot, int 
 void CrossbarBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
   const char* op = "monitored_barrier";
   ensureUsable(op);
-  const Millis timeout = timeoutOf(opts.timeout);
+  // An explicit 0 is a zero timeout (as in gloo), not "unset" (negative: the group's).
+  const Millis timeout = opts.timeout.count() >= 0 ? Millis(opts.timeout.count()) : Millis(timeout_ms_.load());
   const Deadline deadline = Deadline::after(timeout);
   Communicator& comm = *comm_;
   if (size_ == 1) return;
@@ -121,7 +122,11 @@ void CrossbarBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
     reqs[r] = comm.irecv(&(*msgs)[r], sizeof(BarrierMessage), r, kMonitoredBarrierTag);
   std::vector<int> missing;
   std::exception_ptr usage;  // a rank at another call number
+  // Fail fast: rank 0's time ran out before it got to check rank `unchecked` (a zero
+  // timeout, or the ranks before it took all of it); it then blames itself, not that rank.
+  int unchecked = -1;
   for (int r = 1; r < size_ && !usage; ++r) {
+    const bool out_of_time = deadline.expired();
     try {
       if (receiveCall(comm, reqs[r], &(*msgs)[r], r, call, deadline, op)) continue;
     } catch (const InvalidUsage&) {
@@ -132,7 +137,10 @@ void CrossbarBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
       throw;
     }
     missing.push_back(r);
-    if (!wait_all_ranks) break;  // fail fast: the first rank (in rank order) missing
+    if (!wait_all_ranks) {  // fail fast: the first rank (in rank order) missing
+      if (out_of_time) unchecked = r;
+      break;
+    }
   }
   const bool failed = usage || !missing.empty();
   for (int r = 1; r < size_; ++r) {
@@ -155,6 +163,15 @@ void CrossbarBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
   // Failed: the replies go out without waiting for them (a missing rank may never take its).
   withdrawAndHold(reqs, msgs);
   if (usage) std::rethrow_exception(usage);
+  if (unchecked >= 0) {
+    // Worded like gloo's ("Rank 0 timed out in monitoredBarrier").
+    throw Timeout(fmt::format("{}Rank 0 timed out in monitoredBarrier after {} ms, before it checked rank {} (host "
+                              "{}); {}: give monitored_barrier a longer timeout",
+                              errorContext(rank_, op), timeout.count(), unchecked, comm.host(unchecked),
+                              unchecked == 1 ? "no rank checked yet"
+                                             : fmt::format("ranks 1-{} passed", unchecked - 1)),
+                  {unchecked});
+  }
   std::vector<std::string> hosts;
   for (int r : missing) hosts.push_back(comm.host(r));
   // Worded like gloo's ("Rank 1 failed to pass monitoredBarrier"), which scripts match on.

@@ -170,6 +170,29 @@ def test_monitored_barrier_after_a_late_rank_same_group_works(world):
     run_ranks(_monitored_late, world)
 
 
+def _monitored_zero_timeout(rank, world):
+    import crossbar
+
+    # torch's test_monitored_barrier_gloo_rank_0_timeout: timeout 0 is a zero timeout (it
+    # was taken for "unset", the group's 5 s), and rank 0 names itself: it ran out of time
+    # before it checked rank 1, which therefore is not blamed.
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=5))
+    if rank == 0:
+        with pytest.raises(crossbar.TimeoutError) as e:
+            group.monitored_barrier(datetime.timedelta(seconds=0))
+        assert "Rank 0 timed out in monitoredBarrier after 0 ms, before it checked rank 1" in str(e.value), str(
+            e.value
+        )
+    dist.barrier()  # rank 1 never called it; both go on
+    t = torch.ones(2)
+    dist.all_reduce(t, group=group)
+    assert torch.equal(t, torch.full((2,), float(world)))
+
+
+def test_monitored_barrier_zero_timeout_rank0_times_out():
+    run_ranks(_monitored_zero_timeout, 2)
+
+
 def _lifecycle(rank, world):
     import crossbar
 
