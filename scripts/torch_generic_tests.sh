@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # torch's generic distributed tests against the crossbar backend (CPU tensors).
 #   scripts/torch_generic_tests.sh [pytest -k expression]      (default: the collective tests)
-# Env: CROSSBAR_BUILD_DIR (default build), WORLD_SIZE (default 2), JUNIT (xml report path).
+# Env: CROSSBAR_BUILD_DIR (default build), WORLD_SIZE (default 2), JUNIT (xml report path),
+#   CROSSBAR_UNGATE=0 (keep torch's backend-name gates; see torch_generic_tests.py).
 # Not in CI: each test spawns WORLD_SIZE fresh processes; the full suite takes over an hour
 # on two cores. Results are recorded in docs/torch-backend.md.
 set -euo pipefail
