@@ -87,8 +87,11 @@ void CrossbarBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
       throw;
     }
     withdrawAndHold({reply, report}, msgs);
-    const std::string rank0 = fmt::format("{}rank 0 (host {}) did not acknowledge", errorContext(rank_, op),
-                                          comm.host(0));
+    // Opens with gloo's sentence for this case, which scripts (and torch's tests) match on.
+    const std::string rank0 = fmt::format(
+        "{}Rank {} successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank "
+        "0: rank 0 (host {}) did not acknowledge",
+        errorContext(rank_, op), rank_, comm.host(0));
     if (!replied)
       throw Timeout(fmt::format("{} within {} ms: it is hung, slow, or not calling monitored_barrier on this group",
                                 rank0, timeout.count()),
