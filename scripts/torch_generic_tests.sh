@@ -11,6 +11,13 @@ BUILD_DIR=${CROSSBAR_BUILD_DIR:-build}
 export PYTHONPATH="$PWD/$BUILD_DIR/python${PYTHONPATH:+:$PYTHONPATH}"
 export BACKEND=crossbar WORLD_SIZE=${WORLD_SIZE:-2}
 export TEMP_DIR=${TEMP_DIR:-$(mktemp -d)}
+# torch's test harness imports expecttest; pytest-timeout bounds a hung test.
+for m in expecttest pytest_timeout; do
+  python3 -c "import $m" 2>/dev/null && continue
+  echo "torch_generic_tests: pip installing ${m//_/-}"
+  python3 -m pip install -q --disable-pip-version-check "${m//_/-}" ||
+    python3 -m pip install -q --disable-pip-version-check --break-system-packages "${m//_/-}"
+done
 FILTER=${1:-"test_all_reduce or test_broadcast or test_reduce or test_all_gather or test_gather or test_scatter or test_all_to_all or test_send_recv or test_isend or test_irecv or test_barrier or test_batch_isend or test_DistributedDataParallel or test_ddp or test_backend or test_get_rank or test_new_group or test_destroy or test_get_backend or test_monitored or test_average or test_coalesc"}
 args=(-q -p no:cacheprovider -k "$FILTER" -o "python_files=*.py" --timeout-method=thread)
 python3 -c "import pytest_timeout" 2>/dev/null && args+=(--timeout=300) || args=(-q -p no:cacheprovider -k "$FILTER")
