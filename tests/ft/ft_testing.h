@@ -95,4 +95,26 @@ inline int countFds() {
   return n;
 }
 
+// Verified collectives on `coll` until one fails: rank `victim` SIGKILLs itself at the
+// third. The failure must blame exactly `victim` (handleError). Leaves `coll` empty;
+// false (with a test failure recorded) when the loop did not fail or blamed others.
+inline bool loseRankInCollectives(ft::FaultTolerantComm& ft, std::unique_ptr<Collectives>& coll, int rank,
+                                  int victim, uint32_t seed) {
+  try {
+    for (int it = 0; it < 2000; ++it) {
+      if (rank == victim && it == 2) ::kill(::getpid(), SIGKILL);
+      step(*coll, it, seed);
+    }
+    ADD_FAILURE() << "no failure after 2000 iterations";
+    return false;
+  } catch (const Error& e) {
+    coll.reset();
+    auto faults = ft.handleError(e);
+    EXPECT_EQ(faults.size(), 1u) << e.what();
+    if (faults.size() != 1) return false;
+    EXPECT_EQ(faults[0].rank, victim);
+  }
+  return true;
+}
+
 }  // namespace crossbar::testing

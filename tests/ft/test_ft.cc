@@ -305,19 +305,7 @@ void memberDiesDuringSetup(const std::string& exit_step, int ranks_per_node, boo
         auto coll = std::make_unique<Collectives>(ft->comm());
         for (int it = 0; it < 4; ++it) step(*coll, it, 31);
         const int maps0 = countShmMaps(), fds0 = countFds();
-        try {
-          for (int it = 0; it < 2000; ++it) {
-            if (env.rank == first && it == 2) ::kill(::getpid(), SIGKILL);
-            step(*coll, it, 32);
-          }
-          ADD_FAILURE() << "no failure after 2000 iterations";
-          return;
-        } catch (const Error& e) {
-          auto faults = ft->handleError(e);
-          ASSERT_EQ(faults.size(), 1u) << e.what();
-          EXPECT_EQ(faults[0].rank, first);
-        }
-        coll.reset();
+        if (!loseRankInCollectives(*ft, coll, env.rank, first, 32)) return;
         shrinkAndCompute(*ft, coll, 33, second, hang ? FailureKind::kHung : FailureKind::kDead);
         if (hang && env.rank == 0)
           ::kill(std::stoi(toString(env.store->get(fmt::format("test/pid/{}", second)))), SIGKILL);
@@ -359,19 +347,7 @@ TEST(FtShrink, LeaderDiesInAgreementAfterFailedSetup) {
       [&](RankEnv& env) {
         auto ft = FaultTolerantComm::create(env.store, env.rank, n, ftOptions(env));
         auto coll = std::make_unique<Collectives>(ft->comm());
-        try {
-          for (int it = 0; it < 2000; ++it) {
-            if (env.rank == first && it == 2) ::kill(::getpid(), SIGKILL);
-            step(*coll, it, 41);
-          }
-          ADD_FAILURE() << "no failure after 2000 iterations";
-          return;
-        } catch (const Error& e) {
-          auto faults = ft->handleError(e);
-          ASSERT_EQ(faults.size(), 1u) << e.what();
-          EXPECT_EQ(faults[0].rank, first);
-        }
-        coll.reset();
+        if (!loseRankInCollectives(*ft, coll, env.rank, first, 41)) return;
         try {
           ft->shrink();
           ADD_FAILURE() << "building epoch 1 should have failed: its rank 1 dies in the setup";
