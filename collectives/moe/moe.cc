@@ -781,7 +781,12 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
           moved = true;
         }
       }
-      if (!pendingRecv()) {
+      // Final only once every chunk is forwarded: a chunk whose messages completed after the
+      // loop above is in (no receive pending) but not yet forwarded.
+      bool all_forwarded = headers_left == 0;
+      for (int m = 0; m < im.N; ++m)
+        if (m != im.me_node && next_chunk[m] < chunks[m].size()) all_forwarded = false;
+      if (all_forwarded) {
         for (int lj = 0; lj < im.L; ++lj) publish(lj, kSlotFinal);
         final_out = true;
         moved = true;
