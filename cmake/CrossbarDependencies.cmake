@@ -14,9 +14,8 @@ if(CROSSBAR_UCX_ROOT)
   find_package(ucx CONFIG REQUIRED PATHS "${CROSSBAR_UCX_ROOT}" NO_DEFAULT_PATH)
   add_library(PkgConfig::UCX INTERFACE IMPORTED)
   target_link_libraries(PkgConfig::UCX INTERFACE ucx::ucp ucx::uct ucx::ucs)
-  # Build trees get the wheel's lib/ in their RPATH from the imported locations;
-  # installed libraries and binaries keep it too (it is outside the system's paths).
-  set(CMAKE_INSTALL_RPATH_USE_LINK_PATH ON)
+  # Libraries and binaries get the wheel's lib/ in their RPATH (CMAKE_INSTALL_RPATH_USE_LINK_PATH:
+  # it is outside the system's paths).
   message(STATUS "crossbar: UCX ${ucx_VERSION} from ${CROSSBAR_UCX_ROOT}")
 else()
   pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)

@@ -33,6 +33,14 @@ if(EXISTS ${prefix}/${BINDIR}/crossbar-info)
        ${prefix}/${BINDIR}/crossbar-info --json)
 endif()
 
+# An installed benchmark runs from its prefix too, and nothing installed searches the
+# current directory for libraries.
+if(EXISTS ${prefix}/${BINDIR}/all_reduce_perf)
+  step("installed all_reduce_perf" ${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH
+       ${prefix}/${BINDIR}/all_reduce_perf --nranks 2 -b 8 -e 8 -n 1 -w 0)
+endif()
+step("installed RPATHs" ${CMAKE_CURRENT_LIST_DIR}/check_rpath.sh ${prefix})
+
 # 1. CMake package.
 step("configure consumer" ${CMAKE_COMMAND} -S ${CONSUMER_DIR} -B ${WORK_DIR}/build -G ${GENERATOR}
      -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release)
