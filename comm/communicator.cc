@@ -366,9 +366,11 @@ Status Communicator::recv(void* data, size_t capacity, int peer, uint32_t tag) {
     req->wait(defaultDeadline());
   } catch (const Timeout&) {
     // Withdrawn, the caller's buffer is free and a late message goes to a later receive
-    // (one already arriving cannot be withdrawn: it finishes into the buffer).
-    req->cancel();
-    throw;
+    // (one already arriving cannot be withdrawn: it finishes into the buffer). Another
+    // thread's progress may have finished it since the wait gave up: then its message is
+    // in the buffer and is returned (or its failure thrown), not dropped with a Timeout.
+    if (req->cancel() || !req->done()) throw;
+    req->rethrowIfFailed();
   }
   Status st = req->status();
   // Report ranks of this communicator, not of the context (any-source: already so).

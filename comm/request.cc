@@ -47,14 +47,21 @@ void Request::rethrowIfFailed() const {
 
 bool Request::test() {
   if (!done() && engine_) engine_->progressOnce();
+  // The state is read once, before the failure check: another thread's progress (or an
+  // abort) may fail the request at any moment, and a second read after rethrowIfFailed()
+  // would report that failure as done -- a success -- without throwing it.
+  const bool finished = done();
   rethrowIfFailed();
-  return done();
+  return finished;
 }
 
 void Request::wait(Deadline deadline) {
   if (!done()) {
     if (!engine_) throw InternalError(fmt::format("request '{}' has no progress engine", what_));
-    if (!engine_->waitUntil([this] { return done(); }, deadline)) {
+    // Another thread's progress may finish it after the last look before the deadline:
+    // then it is done, not timed out (a caller that gives up on a timed-out receive
+    // would lose a message that is already in its buffer).
+    if (!engine_->waitUntil([this] { return done(); }, deadline) && !done()) {
       throw Timeout(fmt::format("{}did not complete before its deadline. The peer may be slow, hung or "
                                 "not calling the matching operation; raise CROSSBAR_TIMEOUT if it is only slow",
                                 errorContext(-1, what_)));
