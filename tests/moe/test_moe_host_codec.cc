@@ -16,12 +16,19 @@
 namespace crossbar::moe {
 namespace {
 
+// The implementation under test: every supported one in turn (EveryIsa* tests), else the
+// process default (hostCodecIsa()).
+const HostCodecIsa* g_isa = nullptr;
+
 template <class T>
 void expectSameAsShared(PayloadCodec c, size_t hidden, const std::vector<uint8_t>& payload,
                         const std::vector<uint8_t>& scales, float global_scale) {
   std::vector<T> want(hidden), got(hidden);
   dequantizeRow(c, payload.data(), scales.data(), hidden, want.data(), global_scale);
-  decodeRowHost(c, payload.data(), scales.data(), hidden, got.data(), global_scale);
+  if (g_isa)
+    decodeRowHost(*g_isa, c, payload.data(), scales.data(), hidden, got.data(), global_scale);
+  else
+    decodeRowHost(c, payload.data(), scales.data(), hidden, got.data(), global_scale);
   // Bit for bit, NaNs included: every decoded NaN is the one canonical quiet NaN (the GPU's
   // arithmetic would give other NaN bits than the CPU's otherwise).
   for (size_t i = 0; i < hidden; ++i) {
@@ -49,7 +56,7 @@ void sweep(PayloadCodec c, size_t hidden, Pick pick, float global_scale, uint32_
   }
 }
 
-TEST(MoeHostCodec, Fp8Block128EveryCodeManyScales) {
+void fp8EveryCodeManyScales() {
   const float special[] = {1.0f, 0.0f, -0.0f, 1e-38f, 1.1754944e-38f, 3.0f / 448.0f, 1e30f, 2.5e-3f};
   for (size_t hidden : {size_t{7168}, size_t{200}, size_t{37}})
     sweep(
@@ -91,7 +98,7 @@ TEST(MoeHostCodec, Nvfp4EveryCodeEveryBlockScale) {
 // selects): every other code in every position, scales from subnormal to huge (products
 // overflowing to Inf), zero and negative, partial blocks; then one NaN code or a NaN / Inf
 // scale per row to switch blocks back to the general path.
-TEST(MoeHostCodec, DecodeNanFreeBlocksMatchesShared) {
+void decodeNanFreeBlocks() {
   std::mt19937 rng(11);
   for (PayloadCodec c : {PayloadCodec::kFp8Block128, PayloadCodec::kMxfp8}) {
     for (size_t hidden : {size_t{7168}, size_t{200}, size_t{37}}) {
@@ -118,6 +125,29 @@ TEST(MoeHostCodec, DecodeNanFreeBlocksMatchesShared) {
         expectSameAsShared<BFloat16>(c, hidden, payload, scales, 1.0f);
       }
     }
+  }
+}
+
+TEST(MoeHostCodec, Fp8Block128EveryCodeManyScales) {
+  fp8EveryCodeManyScales();
+}
+TEST(MoeHostCodec, DecodeNanFreeBlocksMatchesShared) {
+  decodeNanFreeBlocks();
+}
+
+// Each implementation explicitly (the default is only the best one): the AVX-512 decode's
+// ordinary blocks, and the AVX2 / scalar paths it falls back to for the others.
+TEST(MoeHostCodec, EveryIsaDecodeMatchesShared) {
+  for (HostCodecIsa isa : {HostCodecIsa::kScalar, HostCodecIsa::kAvx2, HostCodecIsa::kAvx512}) {
+    if (!hostCodecIsaSupported(isa)) {
+      std::printf("skipping %s: not supported by this CPU or build\n", hostCodecIsaName(isa));
+      continue;
+    }
+    SCOPED_TRACE(hostCodecIsaName(isa));
+    g_isa = &isa;
+    fp8EveryCodeManyScales();
+    decodeNanFreeBlocks();
+    g_isa = nullptr;
   }
 }
 
@@ -175,7 +205,7 @@ TEST(MoeHostCodec, EncodeMatchesQuantizeRow) {
 
 // Each implementation the CPU has, explicitly.
 TEST(MoeHostCodec, EveryIsaEncodeMatchesQuantizeRow) {
-  for (HostCodecIsa isa : {HostCodecIsa::kScalar, HostCodecIsa::kAvx2}) {
+  for (HostCodecIsa isa : {HostCodecIsa::kScalar, HostCodecIsa::kAvx2, HostCodecIsa::kAvx512}) {
     if (!hostCodecIsaSupported(isa)) {
       std::printf("skipping %s: not supported by this CPU or build\n", hostCodecIsaName(isa));
       continue;
