@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <numeric>
@@ -95,6 +96,8 @@ size_t dataChunks(size_t rows, size_t chunk) {
 // forwarder's signals this call (low 32 bits) and these flags.
 constexpr uint64_t kSlotCounts = uint64_t{1} << 32;  // rows per source node are filled in
 constexpr uint64_t kSlotFinal = uint64_t{1} << 33;   // every row is in
+// Rows a forwarder decodes between two looks at its network (dispatch).
+constexpr size_t kDecodeBatch = 16;
 enum Channel { kDispatchData = 0, kDispatchAck = 1, kCombineData = 2, kCombineAck = 3, kNumChannels = 4 };
 
 // There is no progress thread: the CPU drives pending network requests between rows.
@@ -587,7 +590,10 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
   bool sized = false;
   size_t n = 0;
   auto mySlot = [&](int j) { return im.dbuf->local<char>(static_cast<size_t>(j) * im.dslot); };
-  auto receive = [&]() -> bool {
+  // Decodes at most `budget` rows per call: a forwarder returns to its network between
+  // batches, so rows that arrived meanwhile reach its node's ranks without waiting for its
+  // own decode (fp8's dequantize costs more than bf16's copy).
+  auto receive = [&](size_t budget) -> bool {
     bool moved = false;
     for (int j = 0; j < im.L; ++j) {
       FromForwarder& s = ff[j];
@@ -651,7 +657,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       FromForwarder& s = ff[j];
       if (s.done) continue;
       const char* base = mySlot(j) + im.slot_hdr;
-      for (; s.decoded < s.published; ++s.decoded) {
+      for (; s.decoded < s.published && budget > 0; ++s.decoded, --budget) {
         const uint8_t* rec = reinterpret_cast<const uint8_t*>(base + s.decoded * row);
         RowHeader hd;
         std::memcpy(&hd, rec, sizeof hd);
@@ -689,14 +695,16 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
     return moved;
   };
 
-  // Headers, then chunks as they arrive; between them, decode what the forwarders published.
-  std::vector<std::vector<std::vector<RequestPtr>>> chunks(im.N);  // [node][chunk]: its messages
-  auto chunkIn = [](const std::vector<RequestPtr>& pieces) {
-    for (const auto& r : pieces)
-      if (!r->done() && !r->test()) return false;
-    return true;
+  // Headers, then rows as they arrive; between them, decode what the forwarders published.
+  // A row is forwarded as soon as the messages holding its bytes are in, not when its whole
+  // chunk is: a chunk is several messages (net_msg), received in order into net_recv[m].
+  struct NetIn {
+    std::vector<RequestPtr> pieces;  // every chunk's messages, in byte order
+    std::vector<size_t> end;         // [piece]: bytes of net_recv[m] complete once it is in
+    size_t next = 0;                 // pieces in so far (a prefix)
+    size_t forwarded = 0;            // rows forwarded so far
   };
-  std::vector<size_t> next_chunk(im.N, 0);
+  std::vector<NetIn> net_in(im.N);
   std::vector<uint8_t> header_in(im.N, 0);
   int headers_left = im.N - 1;
   bool counts_out = false, final_out = false;
@@ -704,9 +712,8 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
     for (int m = 0; m < im.N; ++m) {
       if (m == im.me_node) continue;
       if (!header_in[m]) return hdr_req[m];
-      if (next_chunk[m] < chunks[m].size())
-        for (const auto& r : chunks[m][next_chunk[m]])
-          if (!r->done()) return r;
+      for (size_t p = net_in[m].next; p < net_in[m].pieces.size(); ++p)
+        if (!net_in[m].pieces[p]->done()) return net_in[m].pieces[p];
     }
     return nullptr;
   };
@@ -736,10 +743,16 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
                                        peer, count, cached->fwd_count[m]));
       h->fwd_count[m] = count;
       h->fwd_chunk[m] = cm;
+      NetIn& in = net_in[m];
       for (size_t c = 0, nc = dataChunks(count, cm); c < nc; ++c) {
         const size_t lo = c * cm, hi_row = std::min<size_t>(count, lo + cm);
-        chunks[m].push_back(im.recvPieces(im.net_recv[m].data() + lo * row, (hi_row - lo) * row, peer,
-                                          tag + 1 + static_cast<uint32_t>(c)));
+        const size_t bytes = (hi_row - lo) * row, step = im.net_msg ? im.net_msg : bytes;
+        auto pieces =
+            im.recvPieces(im.net_recv[m].data() + lo * row, bytes, peer, tag + 1 + static_cast<uint32_t>(c));
+        for (size_t p = 0; p < pieces.size(); ++p) {  // piece p: the chunk's bytes [p * step, (p + 1) * step)
+          in.end.push_back(lo * row + std::min(bytes, (p + 1) * step));
+          in.pieces.push_back(std::move(pieces[p]));
+        }
       }
       header_in[m] = 1;
       --headers_left;
@@ -766,33 +779,39 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       clk.lap("wait net");
     }
     if (counts_out && !final_out) {
+      bool fwd_any = false;
       for (int m = 0; m < im.N; ++m) {
         if (m == im.me_node) continue;
-        while (next_chunk[m] < chunks[m].size() && chunkIn(chunks[m][next_chunk[m]])) {
-          clk.lap("wait net");
-          const size_t c = next_chunk[m]++, cm = h->fwd_chunk[m], lo = c * cm;
-          const size_t hi_row = std::min(h->fwd_count[m], lo + cm);
-          for (size_t i = lo; i < hi_row; ++i) {
-            forward(h->fwd_start[m] + i, im.net_recv[m].data() + i * row, m);
-            if (i % 8 == 7) pump(sends);
-          }
-          for (int lj = 0; lj < im.L; ++lj) publish(lj, 0);
-          clk.lap("forward");
-          moved = true;
+        NetIn& in = net_in[m];
+        while (in.next < in.pieces.size() && (in.pieces[in.next]->done() || in.pieces[in.next]->test())) ++in.next;
+        const size_t rows_in = in.next == 0 ? 0 : in.end[in.next - 1] / row;
+        if (rows_in == in.forwarded) continue;
+        clk.lap("wait net");
+        for (size_t i = in.forwarded; i < rows_in; ++i) {
+          forward(h->fwd_start[m] + i, im.net_recv[m].data() + i * row, m);
+          if (i % 8 == 7) pump(sends);
         }
+        in.forwarded = rows_in;
+        fwd_any = true;
       }
-      // Final only once every chunk is forwarded: a chunk whose messages completed after the
-      // loop above is in (no receive pending) but not yet forwarded.
+      if (fwd_any) {
+        for (int lj = 0; lj < im.L; ++lj) publish(lj, 0);
+        clk.lap("forward");
+        moved = true;
+      }
+      // Final only once every row is forwarded: a message that completed after the loop above
+      // (progressed by another request's test) is in, but its rows are not yet forwarded.
       bool all_forwarded = headers_left == 0;
       for (int m = 0; m < im.N; ++m)
-        if (m != im.me_node && next_chunk[m] < chunks[m].size()) all_forwarded = false;
+        if (m != im.me_node && net_in[m].forwarded < h->fwd_count[m]) all_forwarded = false;
       if (all_forwarded) {
         for (int lj = 0; lj < im.L; ++lj) publish(lj, kSlotFinal);
         final_out = true;
         moved = true;
       }
     }
-    if (receive()) moved = true;
+    // While rows may still come over the network, decode in batches between network checks.
+    if (receive(final_out ? SIZE_MAX : kDecodeBatch)) moved = true;
     bool recv_done = true;
     for (const auto& s : ff) recv_done = recv_done && s.done;
     if (final_out && recv_done) break;
@@ -800,9 +819,9 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
     if (dl.expired()) {
       std::string missing;
       for (int m = 0; m < im.N; ++m)
-        if (m != im.me_node && (!header_in[m] || next_chunk[m] < chunks[m].size()))
-          missing += fmt::format(" rows from rank {} ({}/{} chunks);", im.node_ranks[m][im.me_local],
-                                 next_chunk[m], header_in[m] ? std::to_string(chunks[m].size()) : "?");
+        if (m != im.me_node && (!header_in[m] || net_in[m].forwarded < h->fwd_count[m]))
+          missing += fmt::format(" rows from rank {} ({}/{} rows);", im.node_ranks[m][im.me_local],
+                                 net_in[m].forwarded, header_in[m] ? std::to_string(h->fwd_count[m]) : "?");
       for (int j = 0; j < im.L; ++j)
         if (!ff[j].done)
           missing += fmt::format(" rows forwarded by local rank {} ({} so far{});",
