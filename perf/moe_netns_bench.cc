@@ -11,18 +11,19 @@
 //
 //   moe_netns_bench [--nodes 2] [--ranks-per-node 2] [--tokens 512] [--hidden 7168]
 //                   [--experts 256] [--topk 8] [--max-nodes M] [--formats native,fp8]
-//                   [--rate auto|<tc rate, e.g. 2gbit>] [--queue-ms 200] [--iters 5] [--warmup 1]
-//                   [--combine-wire bf16|f32] [--no-netns] [--phases] [--fresh-output] [--no-flat]
+//                   [--rate auto|<tc rate, e.g. 2gbit>] [--queue-ms 200] [--iters 5] [--rounds 1]
+//                   [--warmup 1] [--combine-wire bf16|f32] [--no-netns] [--phases] [--fresh-output] [--no-flat]
 //                   [--fp8-io dequantized|quantized|both]
 //
 // Every run first checks that both paths deliver the same tokens (bit for bit) and the same
 // combine sums (f32 tolerance); a mismatch exits 1. Times: the median over iterations of
-// the slowest rank.
+// the slowest rank (--rounds n: the formats take turns n times, medians over all of them).
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -53,6 +54,9 @@ constexpr int kAutoMaxNodes = -1000;
 
 struct Options {
   int nodes = 2, ranks_per_node = 2, experts = 256, topk = 8, iters = 5, warmup = 1;
+  // Rounds over the formats: each round runs every format for `iters` timed iterations (the
+  // warmup only in the first); medians are over all rounds' iterations.
+  int rounds = 1;
   // Node-limited routing: a token's experts lie on at most this many nodes. Default: half the
   // nodes (DeepSeek-V3: 4 of 8), at least 1; 0 or less: no limit.
   int max_nodes = kAutoMaxNodes;
@@ -400,6 +404,19 @@ const std::vector<const char*> kDispatchPhases{"layout",  "encode",   "post",   
 const std::vector<const char*> kCombinePhases{"wait ack", "write",    "post", "wait local",
                                               "reduce",   "wait net", "sum",  "wait sends"};
 
+// This process's CPU time (user, system) in seconds, context switches (voluntary,
+// involuntary) and minor page faults: all of a rank's threads, its share of the kernel's TCP
+// work included.
+std::array<double, 5> cpuUsage() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  auto sec = [](const timeval& t) {
+    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6;
+  };
+  return {sec(u.ru_utime), sec(u.ru_stime), static_cast<double>(u.ru_nvcsw), static_cast<double>(u.ru_nivcsw),
+          static_cast<double>(u.ru_minflt)};
+}
+
 void addPhases(const MoeMetrics& m, const std::vector<const char*>& names, std::vector<double>& acc) {
   acc.resize(names.size(), 0.0);
   for (const auto& [name, s] : m.phases)
@@ -521,7 +538,32 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     if (f == PayloadFormat::kNative || o.io_dequantized) runs.emplace_back(f, false);
     if (f != PayloadFormat::kNative && o.io_quantized) runs.emplace_back(f, true);
   }
+  // Every format's buffers and results, kept for all rounds (--rounds: the formats take
+  // turns, so a load burst on this shared machine hits each format alike).
+  struct Run {
+    PayloadFormat f = PayloadFormat::kNative;
+    bool qio = false;
+    std::string fname;
+    std::unique_ptr<FlatAllToAll> flat;
+    std::unique_ptr<MoeBuffer> buf;
+    // Quantized io: x quantized once, as DeepEP's test does before timing.
+    std::vector<uint8_t> xq_payload, xq_scales;
+    QuantizedTokens xq;
+    std::vector<BFloat16> y_q;  // quantized io: the experts' bf16 outputs (decoded, not timed)
+    // Per timed iteration, the slowest rank's time of each of the four operations; the table
+    // shows their median over iterations (a busy machine's stalls hit single iterations).
+    std::vector<std::array<double, 4>> per_iter;
+    double net2 = 0, netf = 0;
+    std::vector<double> disp_phases, comb_phases;
+    std::array<double, 5> disp_cpu{};  // this rank's dispatch: user s, system s, switches, page faults
+    DispatchResult spare;              // the previous iteration's dispatch result, recycled
+  };
+  std::vector<std::unique_ptr<Run>> live;
   for (auto [f, qio] : runs) {
+    auto run = std::make_unique<Run>();
+    Run& r = *run;
+    r.f = f;
+    r.qio = qio;
     const std::string fname =
         std::string(f == PayloadFormat::kNative ? "bf16" : payloadFormatName(f)) + (qio ? "/q" : "");
     MoeConfig cfg;
@@ -530,7 +572,9 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     cfg.topk = o.topk;
     cfg.num_experts = E;
     cfg.format = f;
-    FlatAllToAll flat(comm, cfg);
+    r.fname = fname;
+    r.flat = std::make_unique<FlatAllToAll>(comm, cfg);
+    FlatAllToAll& flat = *r.flat;
     std::string err;
     {
       auto exact = MoeBuffer::create(comm, cfg);  // f32 partials: comparable to 1e-4
@@ -538,10 +582,11 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     }
     cfg.combine_wire = o.combine_wire;
     cfg.expert_major_copy = false;  // the flat path returns rows by source too
-    auto buf = MoeBuffer::create(comm, cfg);
+    r.buf = MoeBuffer::create(comm, cfg);
     // Quantized io: x quantized once here, as DeepEP's test does before timing.
-    std::vector<uint8_t> xq_payload, xq_scales;
-    QuantizedTokens xq;
+    std::vector<uint8_t>& xq_payload = r.xq_payload;
+    std::vector<uint8_t>& xq_scales = r.xq_scales;
+    QuantizedTokens& xq = r.xq;
     if (qio) {
       const PayloadCodec codec = payloadCodec(f);
       xq.format = f;
@@ -558,88 +603,115 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
       xq.payload = xq_payload.data();
       xq.scales = xq_scales.data();
     }
-    std::vector<BFloat16> y_q;  // quantized io: the experts' bf16 outputs (decoded, not timed)
     if (!err.empty())
       std::fprintf(stderr, "moe_netns_bench: MISMATCH (%s): %s\n", payloadFormatName(f), err.c_str());
     if (maxOf(err.empty() ? 0.0 : 1.0) > 0) {
       ++failures;
       continue;
     }
-    // Per timed iteration, the slowest rank's time of each of the four operations; the table
-    // shows their median over iterations (a busy machine's stalls hit single iterations).
-    std::vector<std::array<double, 4>> per_iter;
-    double net2 = 0, netf = 0;
-    std::vector<double> disp_phases, comb_phases;
-    DispatchResult spare;  // the previous iteration's dispatch result, recycled
-    for (int it = 0; it < o.warmup + o.iters; ++it) {
-      const bool timed = it >= o.warmup;
-      comm->barrier();
-      auto t0 = Clock::now();
-      MoeBuffer::DispatchArgs args;
-      args.tokens = o.tokens;
-      args.x = qio ? nullptr : x.data();
-      args.x_quantized = qio ? &xq : nullptr;
-      args.topk_idx = routing.topk_idx.data();
-      args.topk_weights = routing.topk_weights.data();
-      args.recycle = o.fresh_output ? nullptr : &spare;
-      args.output = qio ? RecvOutput::kQuantized : RecvOutput::kConfig;
-      DispatchResult d = buf->dispatch(args);
-      auto t1 = Clock::now();
-      const void* y2 = d.x.data();
-      if (qio) {
-        // The experts' work (not timed): their bf16 outputs, here the dequantized rows.
-        y_q.resize(d.num_recv * o.hidden);
-        for (size_t i = 0; i < d.num_recv; ++i)
-          dequantizeRow(payloadCodec(f), d.q_payload.data() + i * xq.payload_row_bytes,
-                        d.q_scales.data() + i * xq.scale_row_bytes, o.hidden, y_q.data() + i * o.hidden, 1.0f);
-        y2 = y_q.data();
-      }
-      comm->barrier();
-      auto t2 = Clock::now();
-      CombineResult c = buf->combine(y2, DataType::kBFloat16, *d.handle);
-      auto t3 = Clock::now();
-      comm->barrier();
-      auto t4 = Clock::now();
-      if (o.no_flat) {
-        if (timed) {
-          auto sec = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
-          std::array<double, 4> it_t{sec(t0, t1), sec(t2, t3), 0.0, 0.0};
-          coll.allreduce(it_t.data(), it_t.data(), 4, DataType::kFloat64, ReduceOp::kMax)->wait();
-          per_iter.push_back(it_t);
-          addPhases(d.metrics, kDispatchPhases, disp_phases);
-          addPhases(c.metrics, kCombinePhases, comb_phases);
-          net2 = static_cast<double>(d.metrics.inter_node_bytes + c.metrics.inter_node_bytes);
-        }
-        spare = std::move(d);
-        continue;
-      }
-      auto rec = flat.dispatch(x.data(), o.tokens, routing.topk_idx.data(), routing.topk_weights.data());
-      auto t5 = Clock::now();
-      const uint64_t flat_disp_bytes = flat.networkBytes();
-      comm->barrier();
-      auto t6 = Clock::now();
-      // Expert outputs: the received rows themselves, bf16 (what the experts would return).
-      std::vector<BFloat16> y(rec.src_rank.size() * o.hidden);
-      for (size_t p = 0; p < rec.src_rank.size(); ++p) flat.decode(rec, p, y.data() + p * o.hidden);
-      auto t6b = Clock::now();
-      flat.combine(rec, y.data(), DataType::kBFloat16, routing.topk_weights.data());
-      auto t7 = Clock::now();
-      if (!timed) {
-        spare = std::move(d);
-        continue;
-      }
-      auto sec = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
-      std::array<double, 4> it_t{sec(t0, t1), sec(t2, t3),
-                                 sec(t4, t5) + sec(t6, t6b),  // decoding belongs to the flat dispatch
-                                 sec(t6b, t7)};
-      coll.allreduce(it_t.data(), it_t.data(), 4, DataType::kFloat64, ReduceOp::kMax)->wait();
-      per_iter.push_back(it_t);
-      addPhases(d.metrics, kDispatchPhases, disp_phases);
-      addPhases(c.metrics, kCombinePhases, comb_phases);
-      net2 = static_cast<double>(d.metrics.inter_node_bytes + c.metrics.inter_node_bytes);
-      netf = static_cast<double>(flat_disp_bytes + flat.networkBytes());
-      spare = std::move(d);
+    live.push_back(std::move(run));
+  }
+  // One iteration of one format: two-level dispatch + combine, then (unless --no-flat) flat.
+  auto iterate = [&](Run& r, bool timed) {
+    const PayloadFormat f = r.f;
+    const bool qio = r.qio;
+    FlatAllToAll& flat = *r.flat;
+    MoeBuffer* buf = r.buf.get();
+    QuantizedTokens& xq = r.xq;
+    auto& y_q = r.y_q;
+    auto& per_iter = r.per_iter;
+    double& net2 = r.net2;
+    double& netf = r.netf;
+    auto& disp_phases = r.disp_phases;
+    auto& comb_phases = r.comb_phases;
+    auto& disp_cpu = r.disp_cpu;
+    DispatchResult& spare = r.spare;
+    comm->barrier();
+    const auto cpu0 = cpuUsage();
+    auto t0 = Clock::now();
+    MoeBuffer::DispatchArgs args;
+    args.tokens = o.tokens;
+    args.x = qio ? nullptr : x.data();
+    args.x_quantized = qio ? &xq : nullptr;
+    args.topk_idx = routing.topk_idx.data();
+    args.topk_weights = routing.topk_weights.data();
+    args.recycle = o.fresh_output ? nullptr : &spare;
+    args.output = qio ? RecvOutput::kQuantized : RecvOutput::kConfig;
+    DispatchResult d = buf->dispatch(args);
+    auto t1 = Clock::now();
+    const auto cpu1 = cpuUsage();
+    if (timed)
+      for (int q = 0; q < 5; ++q) disp_cpu[q] += cpu1[q] - cpu0[q];
+    const void* y2 = d.x.data();
+    if (qio) {
+      // The experts' work (not timed): their bf16 outputs, here the dequantized rows.
+      y_q.resize(d.num_recv * o.hidden);
+      for (size_t i = 0; i < d.num_recv; ++i)
+        dequantizeRow(payloadCodec(f), d.q_payload.data() + i * xq.payload_row_bytes,
+                      d.q_scales.data() + i * xq.scale_row_bytes, o.hidden, y_q.data() + i * o.hidden, 1.0f);
+      y2 = y_q.data();
     }
+    comm->barrier();
+    auto t2 = Clock::now();
+    CombineResult c = buf->combine(y2, DataType::kBFloat16, *d.handle);
+    auto t3 = Clock::now();
+    comm->barrier();
+    auto t4 = Clock::now();
+    if (o.no_flat) {
+      if (timed) {
+        auto sec = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+        std::array<double, 4> it_t{sec(t0, t1), sec(t2, t3), 0.0, 0.0};
+        coll.allreduce(it_t.data(), it_t.data(), 4, DataType::kFloat64, ReduceOp::kMax)->wait();
+        per_iter.push_back(it_t);
+        addPhases(d.metrics, kDispatchPhases, disp_phases);
+        addPhases(c.metrics, kCombinePhases, comb_phases);
+        net2 = static_cast<double>(d.metrics.inter_node_bytes + c.metrics.inter_node_bytes);
+      }
+      spare = std::move(d);
+      return;
+    }
+    auto rec = flat.dispatch(x.data(), o.tokens, routing.topk_idx.data(), routing.topk_weights.data());
+    auto t5 = Clock::now();
+    const uint64_t flat_disp_bytes = flat.networkBytes();
+    comm->barrier();
+    auto t6 = Clock::now();
+    // Expert outputs: the received rows themselves, bf16 (what the experts would return).
+    std::vector<BFloat16> y(rec.src_rank.size() * o.hidden);
+    for (size_t p = 0; p < rec.src_rank.size(); ++p) flat.decode(rec, p, y.data() + p * o.hidden);
+    auto t6b = Clock::now();
+    flat.combine(rec, y.data(), DataType::kBFloat16, routing.topk_weights.data());
+    auto t7 = Clock::now();
+    if (!timed) {
+      spare = std::move(d);
+      return;
+    }
+    auto sec = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+    std::array<double, 4> it_t{sec(t0, t1), sec(t2, t3),
+                               sec(t4, t5) + sec(t6, t6b),  // decoding belongs to the flat dispatch
+                               sec(t6b, t7)};
+    coll.allreduce(it_t.data(), it_t.data(), 4, DataType::kFloat64, ReduceOp::kMax)->wait();
+    per_iter.push_back(it_t);
+    addPhases(d.metrics, kDispatchPhases, disp_phases);
+    addPhases(c.metrics, kCombinePhases, comb_phases);
+    net2 = static_cast<double>(d.metrics.inter_node_bytes + c.metrics.inter_node_bytes);
+    netf = static_cast<double>(flat_disp_bytes + flat.networkBytes());
+    spare = std::move(d);
+  };
+  for (int round = 0; round < o.rounds; ++round)
+    for (auto& run : live)
+      for (int it = 0; it < (round == 0 ? o.warmup : 0) + o.iters; ++it)
+        iterate(*run, round > 0 || it >= o.warmup);
+  const int timed_iters = o.iters * o.rounds;
+  for (auto& run : live) {
+    Run& r = *run;
+    const PayloadFormat f = r.f;
+    const bool qio = r.qio;
+    const std::string& fname = r.fname;
+    auto& per_iter = r.per_iter;
+    double net2 = r.net2, netf = r.netf;
+    auto& disp_phases = r.disp_phases;
+    auto& comb_phases = r.comb_phases;
+    auto& disp_cpu = r.disp_cpu;
     double t[4];
     for (int q = 0; q < 4; ++q) {
       std::vector<double> v;
@@ -653,12 +725,18 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
         std::string s = fmt::format("#   {} 2l {}:", fname, what);
         acc.resize(names.size(), 0.0);
         for (size_t i = 0; i < names.size(); ++i) {
-          const double v = maxOf(acc[i] / o.iters) * 1e3;
+          const double v = maxOf(acc[i] / timed_iters) * 1e3;
           if (v >= 0.05) s += fmt::format(" {} {:.1f}", names[i], v);
         }
         print(s + " (ms, slowest rank per phase)\n");
       };
       line("dispatch", kDispatchPhases, disp_phases);
+      // Whether the dispatch is CPU-bound: the ranks' CPU time against cores x wall time.
+      std::array<double, 5> all{};
+      for (int q = 0; q < 5; ++q) all[q] = sumOf(disp_cpu[q] / timed_iters);
+      print(fmt::format("#   {} 2l dispatch cpu, all ranks per call: user {:.1f} sys {:.1f} ms, {:.0f} voluntary "
+                        "{:.0f} involuntary switches, {:.0f} page faults\n",
+                        fname, all[0] * 1e3, all[1] * 1e3, all[2], all[3], all[4]));
       line("combine", kCombinePhases, comb_phases);
     }
     net2 = sumOf(net2) / R / 1e6;
@@ -728,6 +806,8 @@ int main(int argc, char** argv) {
         o.iters = std::max(1, std::stoi(next()));
       else if (a == "--warmup")
         o.warmup = std::max(0, std::stoi(next()));
+      else if (a == "--rounds")
+        o.rounds = std::max(1, std::stoi(next()));
       else if (a == "--rate")
         o.rate = next();
       else if (a == "--queue-ms")
@@ -766,6 +846,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr,
                      "usage: %s [--nodes N] [--ranks-per-node L] [--tokens T] [--hidden H] [--experts E] "
                      "[--topk k] [--max-nodes M] [--formats bf16,fp8,mxfp8] [--rate auto|2gbit] [--queue-ms ms] [--iters n] "
+                     "[--rounds n] "
                      "[--warmup n] [--combine-wire bf16|f32] [--no-netns] [--phases] [--fresh-output] [--no-flat] "
                      "[--fp8-io dequantized|quantized|both]\n",
                      argv[0]);
