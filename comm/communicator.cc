@@ -15,14 +15,15 @@
 #include "comm/errors.h"
 #include "comm/file_store.h"
 #include "comm/log.h"
+#include "comm/ucx_context.h"
 
 namespace crossbar {
 
 // ------------------------------------------------------------------------------------
 // Context
 
-std::shared_ptr<Context> Context::create(std::shared_ptr<Store> store, int rank, int size,
-                                         int ranks_per_node, Deadline deadline) {
+std::shared_ptr<Context> Context::create(std::shared_ptr<Store> store, int rank, int size, int ranks_per_node,
+                                         Deadline deadline, std::shared_ptr<ucx::Fabric> ucx_fabric) {
   if (size <= 0 || rank < 0 || rank >= size)
     throw InvalidArgument(fmt::format("{}rank {} / size {} is out of range; expected 0 <= rank < size",
                                       errorContext(rank, "create communicator"), rank, size));
@@ -70,6 +71,35 @@ std::shared_ptr<Context> Context::create(std::shared_ptr<Store> store, int rank,
     (use_shm ? shm_peers : ucx_peers).push_back(p);
   }
   ctx->route_.assign(size, nullptr);
+  // Kept UCX workers (fault tolerance): this context's wire ids (UCP tag bits 48-62)
+  // must be new to every member's worker, whose unexpected queue may still hold late
+  // messages of earlier epochs. Every rank offers the first id its fabric has not
+  // used; all take the same aligned block above the largest offer. When the ids run
+  // out, every fabric starts a fresh worker (all ranks see the same numbers).
+  uint32_t wire_base = 0;
+  bool any_ucx = false;  // does any pair of ranks talk over UCX? (the same answer on every rank)
+  for (int r = 1; r < size && mode != "shm"; ++r)
+    any_ucx |= mode == "ucx" || !ctx->topology_.sameMachine(0, r) || !ctx->topology_.sameNode(0, r);
+  if (ucx_fabric && any_ucx) {
+    ctx->store_->set(fmt::format("ucxwire/{}", rank), std::to_string(ucx_fabric->wireNext()));
+    uint32_t next = 0;
+    for (int r = 0; r < size; ++r)
+      next = std::max<uint32_t>(next, static_cast<uint32_t>(std::stoul(toString(
+                                          ctx->store_->get(fmt::format("ucxwire/{}", r), deadline)))));
+    uint32_t block = 1;
+    while (block < static_cast<uint32_t>(size)) block <<= 1;
+    wire_base = (next + block - 1) / block * block;
+    if (wire_base + block > ucx::kWireIds) {
+      CB_INFO("comm", "UCX wire ids exhausted after {} of {}: starting a fresh UCX worker", next,
+              ucx::kWireIds);
+      ucx_fabric->reset();
+      wire_base = 0;
+    }
+    ucx_fabric->setWireNext(wire_base + block);
+  }
+  // No UCX peer in this epoch: release the kept worker and its descriptors (a later
+  // epoch that needs UCX again starts a fresh one; its wire ids still come from the max).
+  if (ucx_fabric && ucx_peers.empty()) ucx_fabric->reset();
   auto setup = [&](const char* name, const std::vector<int>& peers) {
     TransportSetup s;
     s.store = std::make_shared<PrefixStore>(name, ctx->store_);
@@ -79,6 +109,8 @@ std::shared_ptr<Context> Context::create(std::shared_ptr<Store> store, int rank,
     s.topology = &ctx->topology_;
     s.engine = &ctx->engine_;
     s.deadline = deadline;
+    s.ucx_fabric = ucx_fabric;
+    s.ucx_wire_base = wire_base;
     return s;
   };
   if (!shm_peers.empty()) {
@@ -262,7 +294,8 @@ std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store,
   auto comm = std::shared_ptr<Communicator>(new Communicator());
   comm->timeout_ = resolveTimeout(options.timeout);
   auto connect_deadline = Deadline::after(std::max(comm->timeout_, Millis(env::getMillis("CROSSBAR_CONNECT_TIMEOUT"))));
-  comm->context_ = Context::create(std::move(store), rank, size, options.ranks_per_node, connect_deadline);
+  comm->context_ = Context::create(std::move(store), rank, size, options.ranks_per_node, connect_deadline,
+                                   options.ucx_fabric);
   comm->members_.resize(size);
   for (int r = 0; r < size; ++r) comm->members_[r] = r;
   comm->rank_ = rank;

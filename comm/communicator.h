@@ -20,6 +20,9 @@ namespace crossbar {
 
 class Context;
 class ProgressEngine;
+namespace ucx {
+class Fabric;
+}
 class Transport;
 
 struct CommOptions {
@@ -27,6 +30,9 @@ struct CommOptions {
   std::string name;       // shows up in logs and errors; default "world"
   int ranks_per_node = -1;  // -1: CROSSBAR_RANKS_PER_NODE
   uint64_t epoch = 0;       // set by fault tolerance (comm/ft.h) for rebuilt communicators
+  // Set by fault tolerance: the UCX worker and endpoints kept across its epochs
+  // (comm/ucx_context.h, "Kept workers"). Null: this communicator has its own.
+  std::shared_ptr<ucx::Fabric> ucx_fabric;
 };
 
 class Communicator : public std::enable_shared_from_this<Communicator> {

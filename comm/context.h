@@ -21,8 +21,10 @@ namespace crossbar {
 class Context {
  public:
   // Collective over all `size` ranks; `ranks_per_node` < 0 reads CROSSBAR_RANKS_PER_NODE.
-  static std::shared_ptr<Context> create(std::shared_ptr<Store> store, int rank, int size,
-                                         int ranks_per_node, Deadline deadline);
+  // `ucx_fabric` (fault tolerance): the UCX worker and endpoints kept across epochs.
+  static std::shared_ptr<Context> create(std::shared_ptr<Store> store, int rank, int size, int ranks_per_node,
+                                         Deadline deadline,
+                                         std::shared_ptr<ucx::Fabric> ucx_fabric = nullptr);
   ~Context();
 
   int rank() const { return rank_; }

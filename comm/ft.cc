@@ -20,6 +20,7 @@
 #include "comm/file_store.h"
 #include "comm/interrupt.h"
 #include "comm/log.h"
+#include "comm/ucx_context.h"
 
 namespace crossbar::ft {
 
@@ -1013,6 +1014,8 @@ std::vector<PeerFault> FaultTolerantComm::handleError(const std::exception& erro
 void FaultTolerantComm::enter(uint64_t epoch, std::vector<Member> members, int my_rank) {
   CommOptions co = options_.comm;
   co.epoch = epoch;
+  if (!ucx_fabric_) ucx_fabric_ = std::make_shared<ucx::Fabric>();
+  co.ucx_fabric = ucx_fabric_;
   if (co.name.empty()) co.name = options_.name;
   epoch_ = epoch;
   members_ = members;

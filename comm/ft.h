@@ -275,6 +275,10 @@ class FaultTolerantComm {
   uint64_t epoch_ = 0;
   std::vector<Member> members_;
   int rank_ = -1;  // in epoch_
+  // The UCX worker and endpoints every epoch of this object reuses: survivors of a
+  // shrink wire nothing up anew (docs/fault-tolerance.md, "UCX wireup"). Before comm_:
+  // destroyed after it.
+  std::shared_ptr<ucx::Fabric> ucx_fabric_;
   std::shared_ptr<Communicator> comm_;
   // Set when building epoch_'s communicator failed: who failed, and the change the
   // attached resources have not seen yet (composed with the next one).

@@ -22,6 +22,9 @@ namespace crossbar {
 
 class Store;
 class Topology;
+namespace ucx {
+class Fabric;
+}
 
 constexpr uint64_t kMaxTransportTag = (uint64_t{1} << 48) - 1;
 
@@ -62,6 +65,11 @@ struct TransportSetup {
   const Topology* topology = nullptr;
   ProgressEngine* engine = nullptr;
   Deadline deadline = Deadline::never();
+  // UCX only. Fault tolerance keeps one worker and its endpoints across epochs
+  // (comm/ucx_context.h, "Kept workers"); wire ids ucx_wire_base + rank tag this
+  // context's messages (agreed by Context::create).
+  std::shared_ptr<ucx::Fabric> ucx_fabric;
+  uint32_t ucx_wire_base = 0;
 };
 
 std::unique_ptr<Transport> makeShmTransport(const TransportSetup& setup);

@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <list>
+#include <random>
 
 #include "comm/env.h"
 #include "comm/errors.h"
@@ -40,36 +42,68 @@ void setDefault(ucp_config_t* config, const char* name, const std::string& value
   if (st != UCS_OK) CB_WARN("ucx", "cannot set UCX option {}={}: {}", name, value, statusText(st));
 }
 
-Bytes encodeInfo(const std::string& host, int pid, const void* address, size_t length) {
+// A context's address record: host, pid, the identity of its worker, the identities
+// of the workers it holds live endpoints to (kept workers), then the worker address.
+struct Record {
+  PeerInfo info;
+  std::string identity;
+  std::vector<std::string> live;
+  Bytes address;
+};
+
+Bytes encodeRecord(const Record& r) {
   Bytes out;
   auto put32 = [&](uint32_t v) {
     for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
   };
-  put32(static_cast<uint32_t>(host.size()));
-  out.insert(out.end(), host.begin(), host.end());
-  put32(static_cast<uint32_t>(pid));
-  auto* a = static_cast<const uint8_t*>(address);
-  out.insert(out.end(), a, a + length);
+  auto putStr = [&](const std::string& text) {
+    put32(static_cast<uint32_t>(text.size()));
+    out.insert(out.end(), text.begin(), text.end());
+  };
+  putStr(r.info.host);
+  put32(static_cast<uint32_t>(r.info.pid));
+  putStr(r.identity);
+  put32(static_cast<uint32_t>(r.live.size()));
+  for (const auto& id : r.live) putStr(id);
+  out.insert(out.end(), r.address.begin(), r.address.end());
   return out;
 }
 
-// Returns the worker address part; fills host and pid.
-Bytes decodeInfo(const Bytes& in, PeerInfo& info, int rank, int peer) {
-  auto get32 = [&](size_t at) {
-    uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) v |= uint32_t{in[at + i]} << (8 * i);
-    return v;
-  };
+Record decodeRecord(const Bytes& in, int rank, int peer) {
+  size_t at = 0;
   auto bad = [&] {
     return InternalError(fmt::format("{}malformed UCX address record from rank {} ({} bytes)",
                                      errorContext(rank, "ucx connect"), peer, in.size()));
   };
-  if (in.size() < 8) throw bad();
-  uint32_t host_len = get32(0);
-  if (in.size() < 8 + size_t{host_len}) throw bad();
-  info.host.assign(in.begin() + 4, in.begin() + 4 + host_len);
-  info.pid = static_cast<int>(get32(4 + host_len));
-  return Bytes(in.begin() + 8 + host_len, in.end());
+  auto get32 = [&] {
+    if (in.size() < at + 4) throw bad();
+    uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v |= uint32_t{in[at + i]} << (8 * i);
+    at += 4;
+    return v;
+  };
+  auto getStr = [&] {
+    uint32_t n = get32();
+    if (in.size() < at + n) throw bad();
+    std::string text(in.begin() + at, in.begin() + at + n);
+    at += n;
+    return text;
+  };
+  Record r;
+  r.info.host = getStr();
+  r.info.pid = static_cast<int>(get32());
+  r.identity = getStr();
+  uint32_t live = get32();
+  if (live > in.size()) throw bad();
+  for (uint32_t i = 0; i < live; ++i) r.live.push_back(getStr());
+  r.address.assign(in.begin() + at, in.end());
+  return r;
+}
+
+uint32_t nextPow2(uint32_t n) {
+  uint32_t b = 1;
+  while (b < n) b <<= 1;
+  return b;
 }
 
 struct HandshakeOp {
@@ -130,35 +164,64 @@ std::string statusText(ucs_status_t status) {
   return fmt::format("{} (ucs_status {})", ucs_status_string(status), static_cast<int>(status));
 }
 
-UcxContext::UcxContext(const TransportSetup& setup, const std::string& prefix)
-    : rank_(setup.rank), size_(setup.size), peers_(setup.peers) {
-  if (size_ > kMaxRanks)
-    throw InvalidArgument(fmt::format("{}the UCX transport supports at most {} ranks, got {}",
-                                      errorContext(rank_, "ucx setup"), kMaxRanks, size_));
-  infos_.resize(size_);
-  slots_.resize(size_);
-  for (int r = 0; r < size_; ++r) {
-    slots_[r].self = this;
-    slots_[r].rank = r;
-  }
-  infos_[rank_] = PeerInfo{hostName(), static_cast<int>(getpid())};
-  for (int p : peers_) {
-    if (p < 0 || p >= size_ || p == rank_)
-      throw InvalidArgument(fmt::format("{}peer {} is not a valid peer in a context of {} ranks",
-                                        errorContext(rank_, "ucx setup"), p, size_));
-  }
+namespace detail {
 
+// One endpoint of a worker. Contexts point at it (slots); it lives in Worker::eps
+// until it is closed and no context uses it.
+struct Endpoint {
+  Worker* worker = nullptr;
+  std::string identity;  // of the peer's worker: "host:pid:nonce"
+  ucp_ep_h ep = nullptr;
+  ucs_status_t status = UCS_OK;
+  bool closed = false;
+  UcxContext* owner = nullptr;  // the newest context using it: its listeners hear errors
+  int rank = -1;                // the peer's rank in owner
+  int users = 0;                // contexts pointing at it
+  // Unpacked on ep, by context; destroyed before ep is closed (UCX requires it).
+  std::vector<std::pair<const UcxContext*, ucp_rkey_h>> rkeys;
+  bool live() const { return ep && status == UCS_OK && !closed; }
+};
+
+// The UCP context and worker with its endpoints: one per UcxContext, or one per Fabric
+// shared by the contexts of successive epochs.
+struct Worker {
+  std::recursive_mutex mutex;
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  int efd = -1;
+  int rank = -1;         // for messages: the rank of the context that created it
+  std::string identity;  // "host:pid:nonce", unique per worker
+  std::string tls;
+  std::list<Endpoint> eps;
+  std::vector<void*> close_requests;  // outstanding ucp_ep_close_nbx requests
+
+  ~Worker() {
+    std::lock_guard<std::recursive_mutex> lock(mutex);
+    teardown();
+  }
+  void init(int rank);
+  void teardown();
+  bool progress();
+  bool arm();
+  void closeEndpoint(Endpoint& e, bool force);
+  void closeAllBounded();
+};
+
+void Worker::init(int my_rank) {
+  rank = my_rank;
+  std::random_device rd;
+  identity = fmt::format("{}:{}:{:x}", hostName(), getpid(), (uint64_t{rd()} << 32) | rd());
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
-  if (st != UCS_OK) throwUcx(rank_, "ucx setup: ucp_config_read", st);
-  std::string tls = env::getString("CROSSBAR_UCX_TLS");
+  if (st != UCS_OK) throwUcx(rank, "ucx setup: ucp_config_read", st);
+  tls = env::getString("CROSSBAR_UCX_TLS");
   if (!tls.empty()) {
     // Explicit crossbar setting: overrides UCX_TLS for this context only.
     st = ucp_config_modify(config, "TLS", tls.c_str());
     if (st != UCS_OK) {
       ucp_config_release(config);
       throw InvalidArgument(fmt::format("{}CROSSBAR_UCX_TLS={} is not a valid UCX_TLS value: {}",
-                                        errorContext(rank_, "ucx setup"), tls, statusText(st)));
+                                        errorContext(rank, "ucx setup"), tls, statusText(st)));
     }
   }
   // UCX warns about every UCX_* variable its context did not use; in a process
@@ -182,70 +245,215 @@ UcxContext::UcxContext(const TransportSetup& setup, const std::string& prefix)
   setDefault(config, "RESOLVE_REMOTE_EP_ID", "on");
 
   ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_ESTIMATED_NUM_EPS |
-                      UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-  params.estimated_num_eps = std::max<size_t>(1, peers_.size());
   params.mt_workers_shared = 0;
   params.name = "crossbar";
-  st = ucp_init(&params, config, &context_);
+  st = ucp_init(&params, config, &context);
   ucp_config_release(config);
   if (st != UCS_OK)
-    throwUcx(rank_,
+    throwUcx(rank,
              fmt::format("ucx setup: ucp_init (transports asked: {})", tls.empty() ? "UCX default" : tls),
              st);
 
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // mutex_ serializes every caller
-  st = ucp_worker_create(context_, &wparams, &worker_);
+  wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // mutex serializes every caller
+  st = ucp_worker_create(context, &wparams, &worker);
   if (st != UCS_OK) {
     teardown();
-    throwUcx(rank_, "ucx setup: ucp_worker_create", st);
+    throwUcx(rank, "ucx setup: ucp_worker_create", st);
   }
-  st = ucp_worker_get_efd(worker_, &efd_);
+  st = ucp_worker_get_efd(worker, &efd);
   if (st != UCS_OK) {
     teardown();
-    throwUcx(rank_, "ucx setup: ucp_worker_get_efd", st);
+    throwUcx(rank, "ucx setup: ucp_worker_get_efd", st);
+  }
+}
+
+void Worker::teardown() {
+  if (worker) {
+    closeAllBounded();
+    ucp_worker_destroy(worker);
+    worker = nullptr;
+  }
+  if (context) {
+    ucp_cleanup(context);
+    context = nullptr;
+  }
+}
+
+bool Worker::progress() {
+  std::lock_guard<std::recursive_mutex> lock(mutex);
+  if (!worker) return false;
+  bool moved = false;
+  for (int i = 0; i < 64 && ucp_worker_progress(worker) != 0; ++i) moved = true;
+  // UCX wants a failed endpoint force-closed; not from inside its error callback.
+  for (Endpoint& e : eps)
+    if (e.status != UCS_OK && e.ep) closeEndpoint(e, true);
+  std::erase_if(close_requests, [](void* req) {
+    if (ucp_request_check_status(req) == UCS_INPROGRESS) return false;
+    ucp_request_free(req);
+    return true;
+  });
+  return moved;
+}
+
+bool Worker::arm() {
+  std::lock_guard<std::recursive_mutex> lock(mutex);
+  if (!worker) return true;
+  ucs_status_t st = ucp_worker_arm(worker);
+  if (st == UCS_OK) return true;
+  if (st != UCS_ERR_BUSY) CB_WARN("ucx", "ucp_worker_arm failed: {}", statusText(st));
+  return false;
+}
+
+void Worker::closeEndpoint(Endpoint& e, bool force) {
+  if (!e.ep) return;
+  // UCX: an rkey must go before the endpoint it was unpacked on (see unpackRkey).
+  for (auto& [ctx, rkey] : e.rkeys) ucp_rkey_destroy(rkey);
+  e.rkeys.clear();
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  void* req = ucp_ep_close_nbx(e.ep, &p);
+  e.ep = nullptr;
+  e.closed = true;
+  if (UCS_PTR_IS_PTR(req)) {
+    close_requests.push_back(req);
+  } else if (UCS_PTR_STATUS(req) != UCS_OK) {
+    CB_TRACE("ucx", "closing endpoint to {}: {}", e.identity, statusText(UCS_PTR_STATUS(req)));
+  }
+}
+
+void Worker::closeAllBounded() {
+  for (Endpoint& e : eps) closeEndpoint(e, e.status != UCS_OK);
+  auto deadline = Deadline::after(kCloseTimeout);
+  while (!close_requests.empty() && !deadline.expired()) {
+    if (progress()) continue;
+    if (close_requests.empty()) break;
+    if (arm()) {
+      pollfd pfd{efd, POLLIN, 0};
+      ::poll(&pfd, 1, 10);
+    }
+  }
+  if (!close_requests.empty()) {
+    CB_INFO("ucx", "{} endpoint close(s) did not finish within {} ms; destroying the worker anyway",
+            close_requests.size(), kCloseTimeout.count());
+    for (void* req : close_requests) ucp_request_free(req);
+    close_requests.clear();
+  }
+}
+
+}  // namespace detail
+
+Fabric::Fabric() = default;
+Fabric::~Fabric() = default;  // the worker goes with its last user
+
+void Fabric::reset() {
+  worker_.reset();
+  wire_next_ = 0;
+}
+
+size_t Fabric::openEndpoints() const {
+  if (!worker_) return 0;
+  std::lock_guard<std::recursive_mutex> lock(worker_->mutex);
+  return static_cast<size_t>(std::count_if(worker_->eps.begin(), worker_->eps.end(),
+                                           [](const detail::Endpoint& e) { return e.live(); }));
+}
+
+UcxContext::UcxContext(const TransportSetup& setup, const std::string& prefix)
+    : rank_(setup.rank), size_(setup.size), peers_(setup.peers), kept_(setup.ucx_fabric != nullptr) {
+  if (size_ > kMaxRanks)
+    throw InvalidArgument(fmt::format("{}the UCX transport supports at most {} ranks, got {}",
+                                      errorContext(rank_, "ucx setup"), kMaxRanks, size_));
+  wire_base_ = setup.ucx_wire_base;
+  wire_block_ = nextPow2(static_cast<uint32_t>(size_));
+  if (wire_base_ % wire_block_ != 0 || wire_base_ + wire_block_ > kWireIds)
+    throw InvalidArgument(fmt::format("{}UCX wire ids {}+{} are not an aligned block below {}",
+                                      errorContext(rank_, "ucx setup"), wire_base_, wire_block_, kWireIds));
+  infos_.resize(size_);
+  slots_.assign(size_, nullptr);
+  infos_[rank_] = PeerInfo{hostName(), static_cast<int>(getpid())};
+  for (int p : peers_) {
+    if (p < 0 || p >= size_ || p == rank_)
+      throw InvalidArgument(fmt::format("{}peer {} is not a valid peer in a context of {} ranks",
+                                        errorContext(rank_, "ucx setup"), p, size_));
+  }
+  if (kept_) {
+    if (!setup.ucx_fabric->worker_) setup.ucx_fabric->worker_ = std::make_shared<detail::Worker>();
+    w_ = setup.ucx_fabric->worker_;
+  } else {
+    w_ = std::make_shared<detail::Worker>();
   }
   try {
+    {
+      std::lock_guard<std::recursive_mutex> lock(w_->mutex);
+      if (!w_->worker) w_->init(rank_);
+    }
     connect(setup, prefix);
     handshake(setup.deadline);
   } catch (...) {
-    teardown();
+    detach(/*failed=*/true);
     throw;
   }
   if (log::enabled(log::Level::kTrace)) {
     // Which UCX transports carry each peer's traffic (lanes, protocols, thresholds).
+    std::lock_guard<std::recursive_mutex> lock(w_->mutex);
     for (int p : peers_) {
       char* text = nullptr;
       size_t length = 0;
+      if (!ep(p)) continue;
       if (FILE* f = open_memstream(&text, &length)) {
-        ucp_ep_print_info(slots_[p].ep, f);
+        ucp_ep_print_info(ep(p), f);
         std::fclose(f);
         CB_TRACE("ucx", "endpoint to {}:\n{}", describePeer(p), std::string(text, length));
         std::free(text);
       }
     }
   }
-  CB_INFO("ucx", "connected to {} peers (TLS {})", peers_.size(), tls.empty() ? "UCX default" : tls);
+  CB_INFO("ucx", "connected to {} peers ({} endpoints kept from the previous epoch; TLS {}; wire ids {}+{})",
+          peers_.size(), reused_.size(), w_->tls.empty() ? "UCX default" : w_->tls, wire_base_, wire_block_);
 }
 
 UcxContext::~UcxContext() {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
-  teardown();
+  detach(/*failed=*/false);
 }
 
-void UcxContext::teardown() {
-  if (worker_) {
-    closeAllBounded();
-    ucp_worker_destroy(worker_);
-    worker_ = nullptr;
+void UcxContext::detach(bool failed) {
+  std::lock_guard<std::recursive_mutex> lock(w_->mutex);
+  for (int p = 0; p < size_; ++p) {
+    detail::Endpoint* e = slots_[p];
+    if (!e) continue;
+    std::erase_if(e->rkeys, [this](const auto& k) {
+      if (k.first != this) return false;
+      ucp_rkey_destroy(k.second);
+      return true;
+    });
+    if (e->owner == this) e->owner = nullptr;
+    --e->users;
+    // A setup that failed leaves no half-wired endpoint behind; the kept ones stay.
+    if (failed && kept_ && std::find(fresh_.begin(), fresh_.end(), p) != fresh_.end())
+      w_->closeEndpoint(*e, true);
   }
-  if (context_) {
-    ucp_cleanup(context_);
-    context_ = nullptr;
-  }
+  slots_.assign(size_, nullptr);
+  if (!kept_) w_->teardown();  // closes every endpoint (bounded), then the worker
+  std::erase_if(w_->eps, [](const detail::Endpoint& e) { return e.closed && e.users == 0; });
+}
+
+ucp_context_h UcxContext::context() const {
+  return w_->context;
+}
+ucp_worker_h UcxContext::worker() const {
+  return w_->worker;
+}
+std::recursive_mutex& UcxContext::mutex() {
+  return w_->mutex;
+}
+
+detail::Endpoint* UcxContext::slot(int peer) const {
+  if (peer < 0 || peer >= size_) return nullptr;
+  return slots_[peer];
 }
 
 bool UcxContext::isPeer(int rank) const {
@@ -253,8 +461,24 @@ bool UcxContext::isPeer(int rank) const {
 }
 
 ucp_ep_h UcxContext::ep(int peer) const {
-  if (peer < 0 || peer >= size_) return nullptr;
-  return slots_[peer].ep;
+  detail::Endpoint* e = slot(peer);
+  return e ? e->ep : nullptr;
+}
+
+ucs_status_t UcxContext::peerStatus(int peer) const {
+  detail::Endpoint* e = slot(peer);
+  return e ? e->status : UCS_OK;
+}
+
+uint64_t UcxContext::anySourceMask() const {
+  const uint64_t block_bits = uint64_t(~(wire_block_ - 1) & (kWireIds - 1)) << 48;
+  return kMaxTransportTag | kHandshakeTagBit | block_bits;
+}
+
+int UcxContext::rankOfTag(uint64_t ucp_tag) const {
+  const uint32_t wire = static_cast<uint32_t>((ucp_tag >> 48) & (kWireIds - 1));
+  if (wire < wire_base_ || wire - wire_base_ >= static_cast<uint32_t>(size_)) return -1;
+  return static_cast<int>(wire - wire_base_);
 }
 
 std::string UcxContext::describePeer(int peer) const {
@@ -265,13 +489,38 @@ std::string UcxContext::describePeer(int peer) const {
 }
 
 void UcxContext::connect(const TransportSetup& setup, const std::string& prefix) {
-  ucp_address_t* address = nullptr;
-  size_t length = 0;
-  ucs_status_t st = ucp_worker_get_address(worker_, &address, &length);
-  if (st != UCS_OK) throwUcx(rank_, "ucx setup: ucp_worker_get_address", st);
-  Bytes record = encodeInfo(infos_[rank_].host, infos_[rank_].pid, address, length);
-  ucp_worker_release_address(worker_, address);
-  setup.store->set(fmt::format("{}/{}", prefix, rank_), record);
+  Record mine;
+  mine.info = infos_[rank_];
+  std::vector<detail::Endpoint*> published;  // endpoints this record offers to keep
+  {
+    std::lock_guard<std::recursive_mutex> lock(w_->mutex);
+    ucp_address_t* address = nullptr;
+    size_t length = 0;
+    ucs_status_t st = ucp_worker_get_address(w_->worker, &address, &length);
+    if (st != UCS_OK) throwUcx(rank_, "ucx setup: ucp_worker_get_address", st);
+    auto* a = reinterpret_cast<const uint8_t*>(address);
+    mine.address.assign(a, a + length);
+    ucp_worker_release_address(w_->worker, address);
+    mine.identity = w_->identity;
+    if (kept_) {
+      w_->progress();  // endpoint errors that came in between epochs
+      for (detail::Endpoint& e : w_->eps) {
+        if (!e.live()) continue;
+        ++e.users;  // pinned until the claims below: another epoch's context may detach meanwhile
+        published.push_back(&e);
+        mine.live.push_back(e.identity);
+      }
+    }
+  }
+  struct Unpin {
+    detail::Worker& w;
+    std::vector<detail::Endpoint*>& eps;
+    ~Unpin() {
+      std::lock_guard<std::recursive_mutex> lock(w.mutex);
+      for (detail::Endpoint* e : eps) --e->users;
+    }
+  } unpin{*w_, published};
+  setup.store->set(fmt::format("{}/{}", prefix, rank_), encodeRecord(mine));
 
   std::vector<std::string> keys;
   for (int p : peers_) keys.push_back(fmt::format("{}/{}", prefix, p));
@@ -288,48 +537,94 @@ void UcxContext::connect(const TransportSetup& setup, const std::string& prefix)
                   missing);
   }
 
+  std::vector<Record> records;
+  for (size_t i = 0; i < peers_.size(); ++i)
+    records.push_back(decodeRecord(setup.store->get(keys[i], setup.deadline), rank_, peers_[i]));
+
+  std::lock_guard<std::recursive_mutex> lock(w_->mutex);
+  auto claim = [&](detail::Endpoint* e, int p) {
+    e->owner = this;
+    e->rank = p;
+    ++e->users;
+    slots_[p] = e;
+  };
   for (size_t i = 0; i < peers_.size(); ++i) {
-    int p = peers_[i];
-    Bytes peer_address = decodeInfo(setup.store->get(keys[i], setup.deadline), infos_[p], rank_, p);
+    const int p = peers_[i];
+    const Record& r = records[i];
+    infos_[p] = r.info;
+    // Kept only when both sides offered it (both decide from the same two records):
+    // otherwise both make a new one, and the side that still had one closes it.
+    detail::Endpoint* old = nullptr;
+    for (detail::Endpoint* e : published)
+      if (e->identity == r.identity) old = e;
+    const bool theirs = std::find(r.live.begin(), r.live.end(), w_->identity) != r.live.end();
+    if (old && theirs) {
+      claim(old, p);  // may have failed since: handshake() reports it
+      reused_.push_back(p);
+      continue;
+    }
+    if (old) w_->closeEndpoint(*old, true);
+    detail::Endpoint& e = w_->eps.emplace_back();
+    e.worker = w_.get();
+    e.identity = r.identity;
+    claim(&e, p);
+    fresh_.push_back(p);
     ucp_ep_params_t ep_params{};
     ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                            UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep_params.address = reinterpret_cast<const ucp_address_t*>(peer_address.data());
+    ep_params.address = reinterpret_cast<const ucp_address_t*>(r.address.data());
     ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep_params.err_handler.cb = &UcxContext::onEndpointError;
-    ep_params.err_handler.arg = &slots_[p];
-    st = ucp_ep_create(worker_, &ep_params, &slots_[p].ep);
+    ep_params.err_handler.arg = &e;
+    ucs_status_t st = ucp_ep_create(w_->worker, &ep_params, &e.ep);
     if (st != UCS_OK) {
-      slots_[p].ep = nullptr;
+      e.ep = nullptr;
+      e.closed = true;
       throw UcxError(fmt::format("{}cannot create a UCX endpoint to {}: {}. Check that the hosts can reach "
                                  "each other over the transports in UCX_TLS / CROSSBAR_UCX_TLS",
                                  errorContext(rank_, "ucx setup"), describePeer(p), statusText(st)),
                      {p});
     }
   }
+  if (kept_) {
+    // Endpoints to processes not in this epoch (excluded, dead) that no context uses
+    // (the pins above still count: one pinned and unclaimed has users == 1).
+    for (detail::Endpoint& e : w_->eps) {
+      const bool pinned = std::find(published.begin(), published.end(), &e) != published.end();
+      if (e.ep && e.users == (pinned ? 1 : 0)) w_->closeEndpoint(e, true);
+    }
+  }
 }
 
 void UcxContext::handshake(Deadline deadline) {
-  // 0-byte message each way: proves both directions work before setup returns,
-  // and finishes UCX's wireup while every peer is progressing.
-  std::vector<HandshakeOp> ops(2 * peers_.size());
+  // 0-byte message each way with every peer wired up now: proves both directions work
+  // before setup returns, and finishes UCX's wireup while every peer is progressing.
+  // Kept endpoints need none (no wireup; messages of this epoch carry new wire ids).
+  std::vector<HandshakeOp> ops(2 * fresh_.size());
   std::vector<void*> requests;
+  std::unique_lock<std::recursive_mutex> lock(w_->mutex);  // not held while sleeping
   auto release = [&] {
+    if (!lock.owns_lock()) lock.lock();
     for (void* req : requests) {
-      if (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_request_cancel(worker_, req);
+      if (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_request_cancel(w_->worker, req);
       ucp_request_free(req);
     }
     requests.clear();
   };
+  auto failed = [&](int p, ucs_status_t st) {
+    return PeerFailure(fmt::format("{}connecting to {} failed: {}. The peer may have exited or be "
+                                   "unreachable over UCX_TLS / CROSSBAR_UCX_TLS",
+                                   errorContext(rank_, "ucx setup"), describePeer(p), statusText(st)),
+                       {p});
+  };
   try {
-    for (size_t i = 0; i < peers_.size(); ++i) {
-      int p = peers_[i];
+    for (size_t i = 0; i < fresh_.size(); ++i) {
+      int p = fresh_[i];
       ucp_request_param_t rp{};
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       rp.cb.recv = handshakeReceived;
       rp.user_data = &ops[2 * i];
-      void* r =
-          ucp_tag_recv_nbx(worker_, nullptr, 0, kHandshakeTagBit | (uint64_t(p) << 48), ~uint64_t{0}, &rp);
+      void* r = ucp_tag_recv_nbx(w_->worker, nullptr, 0, kHandshakeTagBit | wireTag(p), ~uint64_t{0}, &rp);
       if (UCS_PTR_IS_PTR(r))
         requests.push_back(r);
       else
@@ -339,31 +634,33 @@ void UcxContext::handshake(Deadline deadline) {
       sp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       sp.cb.send = handshakeSent;
       sp.user_data = &ops[2 * i + 1];
-      void* s = ucp_tag_send_nbx(slots_[p].ep, nullptr, 0, kHandshakeTagBit | (uint64_t(rank_) << 48), &sp);
+      void* s = ucp_tag_send_nbx(slots_[p]->ep, nullptr, 0, kHandshakeTagBit | wireTag(rank_), &sp);
       if (UCS_PTR_IS_PTR(s))
         requests.push_back(s);
       else
         ops[2 * i + 1] = HandshakeOp{true, UCS_PTR_STATUS(s)};
     }
     while (true) {
+      // A kept endpoint whose peer failed since the previous epoch (or now).
+      for (int p : reused_)
+        if (slots_[p]->status != UCS_OK || !slots_[p]->ep)
+          throw failed(p, slots_[p]->status != UCS_OK ? slots_[p]->status : UCS_ERR_CONNECTION_RESET);
       std::vector<int> pending;
-      for (size_t i = 0; i < peers_.size(); ++i) {
-        int p = peers_[i];
+      for (size_t i = 0; i < fresh_.size(); ++i) {
+        int p = fresh_[i];
         bool both = ops[2 * i].done && ops[2 * i + 1].done;
         // A peer that finished its side may already have closed: that is no failure.
-        ucs_status_t bad = both ? UCS_OK : slots_[p].status;
+        ucs_status_t bad = both ? UCS_OK : slots_[p]->status;
         for (int k = 0; k < 2; ++k)
           if (ops[2 * i + k].done && ops[2 * i + k].status != UCS_OK) bad = ops[2 * i + k].status;
-        if (bad != UCS_OK)
-          throw PeerFailure(fmt::format("{}connecting to {} failed: {}. The peer may have exited or be "
-                                        "unreachable over UCX_TLS / CROSSBAR_UCX_TLS",
-                                        errorContext(rank_, "ucx setup"), describePeer(p), statusText(bad)),
-                            {p});
-        if (!ops[2 * i].done || !ops[2 * i + 1].done) pending.push_back(p);
+        if (bad != UCS_OK) throw failed(p, bad);
+        if (!both) pending.push_back(p);
       }
+      // Also with nothing to wait for: the point where a member of a new FT epoch that
+      // died is noticed, and where the test hook (CROSSBAR_FT_TEST_EXIT_AT) fires.
+      interruptionPoint("ucx handshake");  // comm/interrupt.h
       if (pending.empty()) break;
-      interruptionPoint("ucx handshake");  // comm/interrupt.h: e.g. a member of a new FT epoch died
-      if (progress()) continue;
+      if (w_->progress()) continue;
       if (deadline.expired()) {
         std::vector<std::string> hosts;
         for (int p : pending) hosts.push_back(infos_[p].host);
@@ -373,9 +670,11 @@ void UcxContext::handshake(Deadline deadline) {
                                   errorContext(rank_, "ucx setup"), formatPeers(pending, hosts)),
                       pending);
       }
-      if (arm()) {
-        pollfd pfd{efd_, POLLIN, 0};
+      if (w_->arm()) {
+        lock.unlock();
+        pollfd pfd{w_->efd, POLLIN, 0};
         ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(deadline.remaining().count(), 50)));
+        lock.lock();
       }
     }
   } catch (...) {
@@ -386,124 +685,88 @@ void UcxContext::handshake(Deadline deadline) {
 }
 
 void UcxContext::onEndpointError(void* arg, ucp_ep_h, ucs_status_t status) {
-  auto* slot = static_cast<Slot*>(arg);
-  UcxContext* self = slot->self;
-  if (slot->status != UCS_OK) return;
-  slot->status = status;
-  CB_INFO("ucx", "endpoint to {} failed: {}", self->describePeer(slot->rank), statusText(status));
-  auto listeners = self->listeners_;  // a listener may remove itself
-  for (auto& [id, fn] : listeners) fn(slot->rank, status);
+  auto* e = static_cast<detail::Endpoint*>(arg);
+  if (e->status != UCS_OK) return;
+  e->status = status;
+  UcxContext* owner = e->owner;
+  if (!owner) {
+    CB_INFO("ucx", "endpoint to {} (no epoch uses it) failed: {}", e->identity, statusText(status));
+    return;
+  }
+  CB_INFO("ucx", "endpoint to {} failed: {}", owner->describePeer(e->rank), statusText(status));
+  auto listeners = owner->listeners_;  // a listener may remove itself
+  for (auto& [id, fn] : listeners) fn(e->rank, status);
 }
 
 int UcxContext::addErrorListener(ErrorListener listener) {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  std::lock_guard<std::recursive_mutex> lock(w_->mutex);
   listeners_.emplace_back(next_listener_, std::move(listener));
   return next_listener_++;
 }
 
 void UcxContext::removeErrorListener(int id) {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  std::lock_guard<std::recursive_mutex> lock(w_->mutex);
   std::erase_if(listeners_, [id](const auto& l) { return l.first == id; });
 }
 
 bool UcxContext::progress() {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (!worker_) return false;
-  bool moved = false;
-  for (int i = 0; i < 64 && ucp_worker_progress(worker_) != 0; ++i) moved = true;
-  // UCX wants a failed endpoint force-closed; not from inside its error callback.
-  for (Slot& slot : slots_)
-    if (slot.status != UCS_OK && slot.ep) closeEndpoint(slot, true);
-  std::erase_if(close_requests_, [](void* req) {
-    if (ucp_request_check_status(req) == UCS_INPROGRESS) return false;
-    ucp_request_free(req);
-    return true;
-  });
-  return moved;
+  return w_->progress();
 }
 
 bool UcxContext::arm() {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (!worker_) return true;
-  ucs_status_t st = ucp_worker_arm(worker_);
-  if (st == UCS_OK) return true;
-  if (st != UCS_ERR_BUSY) CB_WARN("ucx", "ucp_worker_arm failed: {}", statusText(st));
-  return false;
+  return w_->arm();
 }
 
-void UcxContext::closeEndpoint(Slot& slot, bool force) {
-  if (!slot.ep) return;
-  // UCX: an rkey must go before the endpoint it was unpacked on (see unpackRkey).
-  for (ucp_rkey_h rkey : slot.rkeys) ucp_rkey_destroy(rkey);
-  slot.rkeys.clear();
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-  void* req = ucp_ep_close_nbx(slot.ep, &p);
-  slot.ep = nullptr;
-  slot.closed = true;
-  if (UCS_PTR_IS_PTR(req)) {
-    close_requests_.push_back(req);
-  } else if (UCS_PTR_STATUS(req) != UCS_OK) {
-    CB_TRACE("ucx", "closing endpoint to {}: {}", describePeer(slot.rank), statusText(UCS_PTR_STATUS(req)));
-  }
+int UcxContext::efd() const {
+  return w_->efd;
 }
 
 ucp_rkey_h UcxContext::unpackRkey(int peer, const void* packed, const std::string& op) {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  std::lock_guard<std::recursive_mutex> lock(w_->mutex);
+  detail::Endpoint* e = slot(peer);
   ucp_ep_h endpoint = ep(peer);
-  if (!endpoint || slots_[peer].status != UCS_OK)
-    throw PeerFailure(fmt::format("{}no usable UCX endpoint to {} ({})", errorContext(rank_, op), describePeer(peer),
-                                  slots_[peer].status != UCS_OK ? statusText(slots_[peer].status)
-                                                                : "it was closed"),
-                      {peer});
+  const ucs_status_t status = peerStatus(peer);
+  if (!endpoint || status != UCS_OK)
+    throw PeerFailure(
+        fmt::format("{}no usable UCX endpoint to {} ({})", errorContext(rank_, op), describePeer(peer),
+                    status != UCS_OK ? statusText(status) : "it was closed"),
+        {peer});
   ucp_rkey_h rkey = nullptr;
   ucs_status_t st = ucp_ep_rkey_unpack(endpoint, packed, &rkey);
   if (st != UCS_OK)
     throw UcxError(fmt::format("{}ucp_ep_rkey_unpack for {}: {}", errorContext(rank_, op), describePeer(peer),
                                statusText(st)),
                    {peer});
-  slots_[peer].rkeys.push_back(rkey);
+  e->rkeys.emplace_back(this, rkey);
   return rkey;
 }
 
 void UcxContext::destroyRkey(int peer, ucp_rkey_h rkey) {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (peer < 0 || peer >= size_ || !rkey) return;
-  auto& held = slots_[peer].rkeys;
-  auto it = std::find(held.begin(), held.end(), rkey);
-  if (it == held.end()) return;  // its endpoint was closed, which destroyed it
-  held.erase(it);
-  ucp_rkey_destroy(rkey);
+  std::lock_guard<std::recursive_mutex> lock(w_->mutex);
+  detail::Endpoint* e = slot(peer);
+  if (!e || !rkey) return;
+  auto it = std::find_if(e->rkeys.begin(), e->rkeys.end(),
+                         [&](const auto& k) { return k.first == this && k.second == rkey; });
+  if (it == e->rkeys.end()) return;  // its endpoint was closed, which destroyed it
+  ucp_rkey_h key = it->second;
+  e->rkeys.erase(it);
+  ucp_rkey_destroy(key);
 }
 
 void UcxContext::forceCloseAll() {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
-  for (Slot& slot : slots_) closeEndpoint(slot, true);
+  std::lock_guard<std::recursive_mutex> lock(w_->mutex);
+  for (int p = 0; p < size_; ++p) {
+    detail::Endpoint* e = slots_[p];
+    if (!e) continue;
+    const bool rma =
+        std::any_of(e->rkeys.begin(), e->rkeys.end(), [this](const auto& k) { return k.first == this; });
+    if (!kept_ || rma) w_->closeEndpoint(*e, true);
+  }
 }
 
 void UcxContext::forceClose(int peer) {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (peer >= 0 && peer < size_) closeEndpoint(slots_[peer], true);
-}
-
-void UcxContext::closeAllBounded() {
-  for (Slot& slot : slots_) closeEndpoint(slot, slot.status != UCS_OK);
-  auto deadline = Deadline::after(kCloseTimeout);
-  while (!close_requests_.empty() && !deadline.expired()) {
-    if (progress()) continue;
-    if (close_requests_.empty()) break;
-    if (arm()) {
-      pollfd pfd{efd_, POLLIN, 0};
-      ::poll(&pfd, 1, 10);
-    }
-  }
-  if (!close_requests_.empty()) {
-    CB_INFO("ucx", "{} endpoint close(s) did not finish within {} ms; destroying the worker anyway",
-            close_requests_.size(), kCloseTimeout.count());
-    for (void* req : close_requests_) ucp_request_free(req);
-    close_requests_.clear();
-  }
+  std::lock_guard<std::recursive_mutex> lock(w_->mutex);
+  if (detail::Endpoint* e = slot(peer)) w_->closeEndpoint(*e, true);
 }
 
 }  // namespace crossbar::ucx

@@ -33,8 +33,18 @@
 //   unexpected queue).
 //
 // Tags: bit 63 of the UCP tag is reserved for the context's own connection
-// handshake; users of worker() must keep it clear (the transport encodes
-// (source rank << 48) | tag with ranks below 2^15).
+// handshake; users of worker() must keep it clear. Bits 48-62 carry the sender's
+// *wire id* (wireTag()), the low 48 bits the transport tag. A context's wire ids are
+// wireBase() + rank, in an aligned block of wireBlock() ids.
+//
+// Kept workers (fault tolerance): a Fabric holds the UCP context, worker and endpoints
+// of one process across the epochs of a FaultTolerantComm (comm/ft.h). A context made
+// on a fabric reuses the endpoints to the peers it was already connected to (no new
+// UCX wireup: a peer dying in the middle of a wireup can abort this process inside
+// UCX, docs/fault-tolerance.md) and wires up only peers it has no endpoint to
+// (joiners). Every epoch gets wire ids no earlier epoch on any member's worker used
+// (Context::create agrees on the base), so a late message of an old epoch, which sits
+// in the kept worker's unexpected queue, can never match a receive of a newer epoch.
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -51,6 +61,37 @@ namespace crossbar::ucx {
 
 constexpr uint64_t kHandshakeTagBit = uint64_t{1} << 63;
 constexpr int kMaxRanks = 1 << 15;
+constexpr uint32_t kWireIds = 1u << 15;  // bits 48-62 of a UCP tag
+
+namespace detail {
+struct Worker;
+struct Endpoint;
+}  // namespace detail
+
+// The UCX state one process keeps across the epochs of a fault-tolerant communicator
+// (see "Kept workers" above). Cheap to make: UCX is initialized by the first context
+// built on it. Not thread-safe: contexts are built on it one at a time.
+class Fabric {
+ public:
+  Fabric();
+  ~Fabric();
+  Fabric(const Fabric&) = delete;
+  Fabric& operator=(const Fabric&) = delete;
+  // First wire id no context on this fabric has used (Context::create takes the
+  // maximum over the members).
+  uint32_t wireNext() const { return wire_next_; }
+  void setWireNext(uint32_t next) { wire_next_ = next; }
+  // Drops the worker and its endpoints (contexts still using them keep them alive):
+  // the next context starts a fresh worker. For when the wire ids run out.
+  void reset();
+  // Number of endpoints open on the kept worker (tests).
+  size_t openEndpoints() const;
+
+ private:
+  friend class UcxContext;
+  std::shared_ptr<detail::Worker> worker_;
+  uint32_t wire_next_ = 0;
+};
 
 struct PeerInfo {
   std::string host;
@@ -64,8 +105,10 @@ class UcxContext {
   // an endpoint to every peer (UCP_ERR_HANDLING_MODE_PEER) and exchanges a 0-byte
   // handshake with each so the connections are known to work. Throws Timeout
   // naming the peers that never showed up, PeerFailure naming those that failed.
+  // With setup.ucx_fabric, uses (and keeps) that fabric's worker and endpoints.
   UcxContext(const TransportSetup& setup, const std::string& prefix);
-  // Closes the endpoints (flush, bounded; force for failed peers), then the worker.
+  // Closes the endpoints (flush, bounded; force for failed peers), then the worker;
+  // on a fabric, destroys only this context's rkeys and leaves both to the fabric.
   ~UcxContext();
   UcxContext(const UcxContext&) = delete;
   UcxContext& operator=(const UcxContext&) = delete;
@@ -75,17 +118,30 @@ class UcxContext {
   const std::vector<int>& peers() const { return peers_; }
   bool isPeer(int rank) const;
 
-  ucp_context_h context() const { return context_; }
-  ucp_worker_h worker() const { return worker_; }
+  ucp_context_h context() const;
+  ucp_worker_h worker() const;
   // The endpoint to `peer`; nullptr if `peer` is not connected or was closed.
   ucp_ep_h ep(int peer) const;
-  std::recursive_mutex& mutex() { return mutex_; }
+  std::recursive_mutex& mutex();
+  // True when the worker and endpoints outlive this context (built on a Fabric).
+  bool kept() const { return kept_; }
+  // Peers whose endpoint this context reused from an earlier one (no wireup).
+  const std::vector<int>& reusedPeers() const { return reused_; }
+
+  // UCP tag bits 48-62 of messages from `rank` (its wire id), and the tag/mask pair
+  // that matches any of this context's ranks.
+  uint64_t wireTag(int rank) const { return uint64_t(wire_base_ + static_cast<uint32_t>(rank)) << 48; }
+  uint32_t wireBase() const { return wire_base_; }
+  uint32_t wireBlock() const { return wire_block_; }
+  uint64_t anySourceMask() const;
+  // The rank whose wire id a received UCP tag carries (-1: not one of this context's).
+  int rankOfTag(uint64_t ucp_tag) const;
 
   const PeerInfo& peerInfo(int peer) const { return infos_.at(peer); }
   // "rank 3 (host node7, pid 1234)"
   std::string describePeer(int peer) const;
   // Set once UCX reported an error on the endpoint to `peer` (UCS_OK otherwise).
-  ucs_status_t peerStatus(int peer) const { return slots_.at(peer).status; }
+  ucs_status_t peerStatus(int peer) const;
 
   // Called (with mutex() held, from inside progress()) when an endpoint fails.
   // Returns an id for removeErrorListener().
@@ -97,7 +153,7 @@ class UcxContext {
   bool progress();
   // ucp_worker_arm: true when the caller may block on efd().
   bool arm();
-  int efd() const { return efd_; }
+  int efd() const;
 
   // Remote keys for RMA on `peer`'s endpoint. UCX requires an rkey to be destroyed
   // before the endpoint it was unpacked on, and an endpoint is closed (and freed) by
@@ -112,38 +168,34 @@ class UcxContext {
 
   // Force-closes every endpoint (purging their outstanding operations, which
   // complete with an error). For abort: the context no longer talks to anyone.
+  // On a kept worker it closes only endpoints with RMA keys of this context (RMA may
+  // still run on them); the transport force-closes those with its own pending
+  // operations, and the rest stay for the next epoch.
   void forceCloseAll();
   // Force-closes the endpoint to one peer.
   void forceClose(int peer);
 
  private:
-  struct Slot {
-    UcxContext* self = nullptr;
-    int rank = -1;
-    ucp_ep_h ep = nullptr;
-    ucs_status_t status = UCS_OK;
-    bool closed = false;
-    std::vector<ucp_rkey_h> rkeys;  // unpacked on ep; destroyed before it closes
-  };
   static void onEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   void connect(const TransportSetup& setup, const std::string& prefix);
   void handshake(Deadline deadline);
-  void closeEndpoint(Slot& slot, bool force);
-  void closeAllBounded();
-  void teardown();
+  void detach(bool failed);
+  detail::Endpoint* slot(int peer) const;
 
   int rank_;
   int size_;
   std::vector<int> peers_;
-  std::recursive_mutex mutex_;
-  ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
-  int efd_ = -1;
+  bool kept_ = false;
+  std::shared_ptr<detail::Worker> w_;
   std::vector<PeerInfo> infos_;
-  std::vector<Slot> slots_;            // indexed by rank; never resized after construction
-  std::vector<void*> close_requests_;  // outstanding ucp_ep_close_nbx requests
+  std::vector<detail::Endpoint*> slots_;  // by rank; null for non-peers; owned by w_
+  std::vector<int> fresh_;                // peers wired up by this context
+  std::vector<int> reused_;               // peers whose endpoint was kept
+  uint32_t wire_base_ = 0, wire_block_ = 1;
   std::vector<std::pair<int, ErrorListener>> listeners_;
   int next_listener_ = 0;
+
+  friend struct detail::Worker;
 };
 
 // The UcxContext behind a transport made by makeUcxTransport(), or nullptr.

@@ -1,8 +1,8 @@
 // Inter-node transport over UCX tag matching. A message from rank s with
-// transport tag t travels with UCP tag (s << 48) | t and is received with a full
-// mask, so UCX's own matching gives the per-(peer, tag) ordering the Transport
-// contract asks for. Large messages go through UCX's rendezvous (zero-copy where
-// the transport allows), so a send may stay pending until the peer receives.
+// transport tag t travels with UCP tag (wire id of s << 48) | t (wire id: s plus the
+// context's base, comm/ucx_context.h) and is received with a full mask, so UCX's own matching gives the
+// per-(peer, tag) ordering the Transport contract asks for. Large messages go through UCX's rendezvous
+// (zero-copy where the transport allows), so a send may stay pending until the peer receives.
 //
 // Cancellation (Request::cancel): ucp_request_cancel withdraws a receive still in
 // UCX's expected queue (no message matched it) and completes it at once with
@@ -48,15 +48,6 @@ struct Op {
   bool cancelling = false;  // Request::cancel asked UCX to withdraw it
   std::exception_ptr cancel_error = nullptr;  // what it fails with then (null: Request::cancelledError)
 };
-
-uint64_t ucpTag(int source, uint64_t tag) {
-  return (uint64_t(source) << 48) | tag;
-}
-// Matches the transport tag and the clear handshake bit, any source.
-constexpr uint64_t kAnySourceMask = kMaxTransportTag | ucx::kHandshakeTagBit;
-int sourceOf(uint64_t ucp_tag) {
-  return static_cast<int>((ucp_tag & ~ucx::kHandshakeTagBit) >> 48);
-}
 
 class UcxTransport final : public Transport {
  public:
@@ -110,7 +101,7 @@ class UcxTransport final : public Transport {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = &UcxTransport::onSendDone;
     p.user_data = op.get();
-    void* r = ucp_tag_send_nbx(ctx_->ep(peer), data, bytes, ucpTag(rank_, tag), &p);
+    void* r = ucp_tag_send_nbx(ctx_->ep(peer), data, bytes, ctx_->wireTag(rank_) | tag, &p);
     post(std::move(op), r, bytes);
     return req;
   }
@@ -130,7 +121,7 @@ class UcxTransport final : public Transport {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.cb.recv = &UcxTransport::onRecvDone;
     p.user_data = op.get();
-    void* r = ucp_tag_recv_nbx(ctx_->worker(), data, capacity, ucpTag(peer, tag), ~uint64_t{0}, &p);
+    void* r = ucp_tag_recv_nbx(ctx_->worker(), data, capacity, ctx_->wireTag(peer) | tag, ~uint64_t{0}, &p);
     post(std::move(op), r, 0);
     if (!req->done() && ctx_->peerStatus(peer) != UCS_OK) {
       // Nothing queued matched, and nothing more will come from a failed peer.
@@ -149,9 +140,12 @@ class UcxTransport final : public Transport {
     // Probing with remove=1 takes the oldest unexpected match out of UCX's queue; it
     // must then be received with ucp_tag_msg_recv_nbx (which we do right away).
     ucp_tag_recv_info_t info{};
-    ucp_tag_message_h msg = ucp_tag_probe_nb(ctx_->worker(), tag, kAnySourceMask, 1, &info);
+    // The mask keeps the handshake bit clear and the wire id within this context's
+    // block: messages of other epochs on a kept worker never match.
+    ucp_tag_message_h msg =
+        ucp_tag_probe_nb(ctx_->worker(), ctx_->wireTag(0) | tag, ctx_->anySourceMask(), 1, &info);
     if (!msg) return nullptr;
-    const int peer = sourceOf(info.sender_tag);
+    const int peer = ctx_->rankOfTag(info.sender_tag);
     auto req = std::make_shared<Request>(
         engine_, fmt::format("ucx recv from any rank (matched {}) tag {} ({} B buffer)",
                              ctx_->describePeer(peer), tag, capacity));
@@ -184,9 +178,20 @@ class UcxTransport final : public Transport {
     std::lock_guard<std::recursive_mutex> lock(ctx_->mutex());
     if (aborted_) return;
     aborted_ = error;
-    CB_INFO("ucx", "aborting: failing {} pending operation(s) and closing every endpoint", pending_.size());
-    failAll(error);
-    // Purges sends still reading user memory; the context talks to no one after this.
+    CB_INFO("ucx", "aborting: failing {} pending operation(s) and closing {}", pending_.size(),
+            ctx_->kept() ? "the endpoints still busy with them" : "every endpoint");
+    failAll(error);  // also withdraws the receives no message matched (gone from pending_ now)
+    if (ctx_->kept()) {
+      // A kept worker's endpoints serve the next epoch (comm/ucx_context.h). What this
+      // epoch still has on one (a send, a receive a message matched) could read or
+      // write user memory after the abort: force-closing that endpoint purges it, and
+      // the next epoch wires that pair up anew. Idle endpoints stay.
+      std::vector<int> busy;
+      for (auto& [id, op] : pending_) busy.push_back(op->peer);
+      for (int peer : busy) ctx_->forceClose(peer);
+    }
+    // Purges sends still reading user memory (kept worker: only RMA endpoints); this
+    // context talks to no one after this.
     ctx_->forceCloseAll();
     ctx_->progress();
   }

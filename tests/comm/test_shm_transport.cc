@@ -41,7 +41,8 @@ struct Shm {
   std::unique_ptr<Transport> t;
   explicit Shm(RankEnv& env, ShmTransportOptions options = {}, std::vector<int> peers = {}) {
     if (peers.empty()) peers = othersOf(env);
-    TransportSetup s{env.store, env.rank, env.size, peers, nullptr, &engine, Deadline::after(30s)};
+    TransportSetup s{env.store, env.rank, env.size, peers, nullptr, &engine, Deadline::after(30s),
+                     nullptr,   0};
     t = makeShmTransport(s, options);
     engine.add(t.get());
   }
@@ -528,7 +529,8 @@ TEST(ShmTransport, PeerMissingAtSetupTimesOut) {
       [](RankEnv& env) {
         if (env.rank == 2) return;  // never constructs its transport
         ProgressEngine engine;
-        TransportSetup s{env.store, env.rank, env.size, {0, 1, 2}, nullptr, &engine, Deadline::after(500ms)};
+        TransportSetup s{env.store, env.rank, env.size, {0, 1, 2}, nullptr, &engine, Deadline::after(500ms),
+                         nullptr,   0};
         s.peers.erase(std::find(s.peers.begin(), s.peers.end(), env.rank));
         auto start = Clock::now();
         try {

@@ -37,7 +37,8 @@ struct Endpoint {
   std::unique_ptr<Transport> t;
   Endpoint(RankEnv& env, Millis setup_timeout = Millis(30'000), std::vector<int> peers = {}) {
     if (peers.empty()) peers = othersOf(env.rank, env.size);
-    TransportSetup s{env.store, env.rank, env.size, peers, nullptr, &engine, Deadline::after(setup_timeout)};
+    TransportSetup s{env.store, env.rank, env.size, peers, nullptr, &engine, Deadline::after(setup_timeout),
+                     nullptr,   0};
     t = makeUcxTransport(s);
     engine.add(t.get());
   }

@@ -90,6 +90,9 @@ TrialResult wireupTrial(KillAt mode, int delay_us, uint32_t seed) {
           const int64_t t0 = monoNs();
           try {
             ft->shrink();
+            // The kill must land in epoch 1: with the survivors' endpoints kept, its setup
+            // and collectives can finish before the killer thread sees the addresses.
+            if (mode == KillAt::kDelay && env.rank == second && killer.joinable()) killer.join();
             coll = std::make_unique<Collectives>(ft->comm());
             for (int it = 0; it < 4; ++it) step(*coll, it, seed + 2);
             break;
