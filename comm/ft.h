@@ -276,7 +276,7 @@ class FaultTolerantComm {
   std::vector<Member> members_;
   int rank_ = -1;  // in epoch_
   // The UCX worker and endpoints every epoch of this object reuses: survivors of a
-  // shrink wire nothing up anew (docs/fault-tolerance.md, "UCX wireup"). Before comm_:
+  // shrink wire nothing up anew (docs/fault-tolerance.md, "Epochs"). Before comm_:
   // destroyed after it.
   std::shared_ptr<ucx::Fabric> ucx_fabric_;
   std::shared_ptr<Communicator> comm_;

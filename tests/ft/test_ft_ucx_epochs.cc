@@ -1,7 +1,7 @@
 // Survivors of a shrink keep their UCX worker and endpoints (comm/ucx_context.h, "Kept
 // workers"): no new wireup between them, so a member dying in the next epoch's setup
-// cannot catch UCX in the middle of one (docs/fault-tolerance.md, "UCX wireup in a
-// shrink"). Messages of an old epoch that were never received stay in the kept worker's
+// cannot catch UCX in the middle of one (docs/fault-tolerance.md, "UCX versions and
+// the wireup abort"). Messages of an old epoch that were never received stay in the kept worker's
 // unexpected queue; each epoch's messages carry wire ids no earlier epoch used, so such a
 // message can never be taken by a receive of a newer epoch. These tests check both.
 #include <fmt/format.h>
