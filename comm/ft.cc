@@ -976,6 +976,7 @@ void FaultTolerantComm::close() {
   detector_.reset();
   failed_setup_watch_.reset();
   comm_.reset();
+  ucx_fabric_.reset();  // the UCX worker goes with the last context still using it
   setup_faults_.clear();
 }
 
