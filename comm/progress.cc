@@ -1,7 +1,9 @@
 #include "comm/progress.h"
 
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <thread>
@@ -24,7 +26,13 @@ std::chrono::nanoseconds sleepBound(Deadline deadline) {
 
 }  // namespace
 
-ProgressEngine::ProgressEngine() : spin_us_(static_cast<int>(env::getInt("CROSSBAR_SPIN_US"))) {}
+ProgressEngine::ProgressEngine() : spin_us_(static_cast<int>(env::getInt("CROSSBAR_SPIN_US"))) {
+  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);  // -1: the poller wakes by its timeout only
+}
+
+ProgressEngine::~ProgressEngine() {
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
 
 void ProgressEngine::add(Transport* transport) {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
@@ -48,11 +56,32 @@ void ProgressEngine::removeHook(int id) {
 }
 
 bool ProgressEngine::progressOnce() {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
   bool moved = false;
-  for (Transport* t : transports_) moved |= t->progress();
-  for (auto& [id, hook] : hooks_) moved |= hook();
+  {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    for (Transport* t : transports_) moved |= t->progress();
+    for (auto& [id, hook] : hooks_) moved |= hook();
+  }
+  if (moved) notifyMoved();
   return moved;
+}
+
+void ProgressEngine::notifyMoved() {
+  // Dekker with waitUntil: the pass's completions, then the count of blocked waiters.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (blocking_waiters_.load(std::memory_order_relaxed) == 0) return;
+  bool poke;
+  {
+    std::lock_guard<std::mutex> lock(wait_mutex_);
+    ++generation_;
+    poke = polling_;
+  }
+  wait_cv_.notify_all();
+  if (poke && wake_fd_ >= 0) {
+    const uint64_t one = 1;
+    ssize_t n = ::write(wake_fd_, &one, sizeof one);
+    (void)n;  // EAGAIN: the counter is full, so the poller wakes anyway
+  }
 }
 
 bool ProgressEngine::waitUntil(const std::function<bool()>& done, Deadline deadline) {
@@ -63,16 +92,48 @@ bool ProgressEngine::waitUntil(const std::function<bool()>& done, Deadline deadl
     if (done()) return true;
     if (Clock::now() >= spin_end) break;
   }
-  // Phase 2: block in poll() on the transports' fds between progress passes, so
-  // ranks oversubscribing cores yield the CPU to the peers they wait for.
+  // Phase 2: block between progress passes, so ranks oversubscribing cores yield the CPU
+  // to the peers they wait for: one waiter in poll() on the transports' fds, any others
+  // on wait_cv_ (header comment).
+  blocking_waiters_.fetch_add(1, std::memory_order_seq_cst);
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // the count, then done() (notifyMoved)
+  struct Leave {
+    std::atomic<int>& n;
+    ~Leave() { n.fetch_sub(1, std::memory_order_relaxed); }
+  } leave{blocking_waiters_};
   std::vector<pollfd> fds;
   while (true) {
+    uint64_t seen;  // before the look at done(): a pass after it shows as a new generation
+    {
+      std::lock_guard<std::mutex> lock(wait_mutex_);
+      seen = generation_;
+    }
     if (progressOnce()) {
       if (done()) return true;
       continue;
     }
     if (done()) return true;
     if (deadline.expired()) return false;
+    std::unique_lock<std::mutex> wl(wait_mutex_);
+    if (generation_ != seen) continue;  // another thread's pass moved something: look again
+    if (polling_) {
+      // Another waiter blocks on the fds: wait for a pass that moves something, or for it
+      // to stop polling (then one of us takes over).
+      wait_cv_.wait_for(wl, sleepBound(deadline), [&] { return generation_ != seen || !polling_; });
+      continue;
+    }
+    polling_ = true;
+    wl.unlock();
+    struct StopPolling {
+      ProgressEngine& e;
+      ~StopPolling() {
+        {
+          std::lock_guard<std::mutex> lock(e.wait_mutex_);
+          e.polling_ = false;
+        }
+        e.wait_cv_.notify_all();
+      }
+    } stop_polling{*this};
     fds.clear();
     bool can_sleep = true;
     {
@@ -84,9 +145,12 @@ bool ProgressEngine::waitUntil(const std::function<bool()>& done, Deadline deadl
     }
     if (can_sleep) {
       // Bounded sleep: a lost wake-up costs at most this long, never a hang.
-      const std::chrono::nanoseconds left = sleepBound(deadline);
+      std::chrono::nanoseconds left = sleepBound(deadline);
+      // No transport fd: nothing but a timeout ends the sleep, so keep it short.
+      if (fds.empty()) left = std::min<std::chrono::nanoseconds>(left, std::chrono::microseconds(200));
+      if (wake_fd_ >= 0) fds.push_back({wake_fd_, POLLIN, 0});
       if (fds.empty()) {
-        std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(left, std::chrono::microseconds(200)));
+        std::this_thread::sleep_for(left);
       } else {
         const timespec ts{static_cast<time_t>(left.count() / 1'000'000'000),
                           static_cast<long>(left.count() % 1'000'000'000)};
@@ -98,6 +162,11 @@ bool ProgressEngine::waitUntil(const std::function<bool()>& done, Deadline deadl
     {
       std::lock_guard<std::recursive_mutex> lock(mutex_);
       for (Transport* t : transports_) t->finishSleep();
+    }
+    if (wake_fd_ >= 0) {
+      uint64_t v;
+      ssize_t n = ::read(wake_fd_, &v, sizeof v);  // only the poller reads it
+      (void)n;
     }
   }
 }

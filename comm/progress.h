@@ -2,8 +2,18 @@
 // CROSSBAR_SPIN_US, then block in ppoll() on the transports' fds (timeout: the deadline's
 // remaining time to the nanosecond, at most 100 ms), so many ranks on few cores stay fast
 // and nothing busy-spins without bound, also in waits shorter than a millisecond.
+//
+// Several threads may wait at once (the torch backend's threads and its caller, a
+// helper thread, the failure detector's probes). One of them blocks on the transports'
+// fds, the others on a condition variable, and a progress pass that moved anything wakes
+// them all (the one in ppoll through an eventfd): a transport's wake-up serves one
+// sleeper (two sleepers cleared each other's flags and drained each other's eventfd),
+// and a request another thread finished must not leave its waiter asleep until its
+// timeout. (Both cost waits ~100 ms each when a second thread waited on the engine.)
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <utility>
@@ -18,6 +28,9 @@ class Transport;
 class ProgressEngine {
  public:
   ProgressEngine();
+  ~ProgressEngine();
+  ProgressEngine(const ProgressEngine&) = delete;
+  ProgressEngine& operator=(const ProgressEngine&) = delete;
   void add(Transport* transport);
   void remove(Transport* transport);
   // Work that runs after the transports in every pass (any-source matching): returns
@@ -36,6 +49,15 @@ class ProgressEngine {
   std::vector<std::pair<int, Hook>> hooks_;
   int next_hook_ = 0;
   int spin_us_;
+
+  // A pass moved something: wakes the blocked waiters (header comment).
+  void notifyMoved();
+  std::atomic<int> blocking_waiters_{0};  // waits past their spin (read without wait_mutex_)
+  std::mutex wait_mutex_;
+  std::condition_variable wait_cv_;
+  uint64_t generation_ = 0;  // passes that moved something while waiters blocked (wait_mutex_)
+  bool polling_ = false;     // a waiter blocks in ppoll on the transports' fds (wait_mutex_)
+  int wake_fd_ = -1;         // eventfd in that waiter's poll set
 };
 
 }  // namespace crossbar
