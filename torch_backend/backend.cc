@@ -455,8 +455,17 @@ bool CrossbarWork::waitUnderlying(Deadline d, std::exception_ptr* err) {
     try {
       r->wait(d);
     } catch (...) {
+      // Its own failure, or the end of this wait (a slice of the completion thread). The
+      // request may have finished since the wait threw (another thread progressed it):
+      // then its outcome counts, not this wait's Timeout.
       if (!r->done()) return false;
-      if (!*err) *err = std::current_exception();
+      if (r->failed() && !*err) {
+        try {
+          r->rethrowIfFailed();
+        } catch (...) {
+          *err = std::current_exception();
+        }
+      }
     }
   }
   return true;
