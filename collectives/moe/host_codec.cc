@@ -891,6 +891,10 @@ HostCodecIsa selectIsa() {
         "moe host codec: CROSSBAR_MOE_HOST_CODEC=avx2 but this CPU (or build) has no AVX2; unset it or use "
         "'scalar'");
   if (want == "avx2") return HostCodecIsa::kAvx2;  // AVX2 only: no AVX-512 paths (for comparison)
+  if (want == "avx512" && !hostCodecIsaSupported(HostCodecIsa::kAvx512))
+    throw InvalidArgument(
+        "moe host codec: CROSSBAR_MOE_HOST_CODEC=avx512 but this CPU (or build) lacks AVX-512 F/BW/VL/BF16; "
+        "unset it or use 'avx2' or 'scalar'");
   if (hostCodecIsaSupported(HostCodecIsa::kAvx512)) return HostCodecIsa::kAvx512;
   return avx2 ? HostCodecIsa::kAvx2 : HostCodecIsa::kScalar;
 }
