@@ -625,8 +625,15 @@ void FailureDetector::probe(bool send, const std::set<int>& known, std::vector<P
       if (send && !p.broken) {
         // The receive's test() progressed; a failed send rethrows here, outside the
         // erase (a throwing predicate would leave moved-from, null entries behind).
-        for (const auto& r : p.sends) r->rethrowIfFailed();
-        std::erase_if(p.sends, [](const RequestPtr& r) { return r->done(); });
+        // One look per send: a send that fails between a rethrow pass and the erase would be
+        // dropped with its failure unseen.
+        RequestPtr failed;
+        std::erase_if(p.sends, [&](const RequestPtr& r) {
+          if (!r->done()) return false;
+          if (r->failed() && !failed) failed = r;
+          return true;
+        });
+        if (failed) failed->rethrowIfFailed();
         if (p.sends.size() < kMaxProbeSends) p.sends.push_back(comm_->isend(nullptr, 0, p.rank, kProbeTag));
       }
     } catch (const std::exception& e) {

@@ -753,7 +753,7 @@ void SymmetricBuffer::waitSlot(int peer, size_t slot_index, uint64_t value, int 
                                                        "signal on {} of buffer #{}",
                                                        heap_->peerText(peer), describeChannel(channel), id_),
                           {peer});
-      if (!local && heap_->ucx[peer] && heap_->ucx[peer]->peerStatus(heap_->world[peer]) != UCS_OK)
+      if (!local && heap_->ucx[peer] && heap_->ucx[peer]->peerStatus(heap_->world[peer]) != UCS_OK && !reached())
         throw PeerFailure(
             heap_->ctx(op) + fmt::format("UCX reported {} failed ({}) while this rank waited for "
                                          "its signal on {}",

@@ -946,12 +946,16 @@ void CrossbarBackend::p2pLoop() {
         // next receive, not into this tensor. (This thread is the one that posts staged
         // sends, so their requests can be read here.)
         w->cancelReceives(err);  // (with the work's error: a wait() that sees it first reports the same)
+        // Every request finished between the look above and the cancel (another thread's
+        // progress): it succeeded, it did not time out.
+        std::exception_ptr late;
+        if (w->underlyingDone(&late) && !late) err = nullptr;
         w->complete(err);
         std::lock_guard<std::mutex> lk(m_);
         std::erase_if(orphans_, [](const auto& o) { return !transportStillHolds(*o); });
         // A send, or a receive whose message is arriving: keep the buffers (LingeringWorks).
         if (transportStillHolds(*w)) orphans_.push_back(w);
-        if (!first_error_) first_error_ = err;
+        if (!first_error_ && err) first_error_ = err;
         return true;
       }
       return false;

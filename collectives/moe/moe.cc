@@ -783,7 +783,9 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       for (int m = 0; m < im.N; ++m) {
         if (m == im.me_node) continue;
         NetIn& in = net_in[m];
-        while (in.next < in.pieces.size() && (in.pieces[in.next]->done() || in.pieces[in.next]->test())) ++in.next;
+        // test(), not done(): a piece another request's progress failed must throw here, not be
+        // forwarded as rows.
+        while (in.next < in.pieces.size() && in.pieces[in.next]->test()) ++in.next;
         const size_t rows_in = in.next == 0 ? 0 : in.end[in.next - 1] / row;
         if (rows_in == in.forwarded) continue;
         clk.lap("wait net");
