@@ -15,13 +15,12 @@ namespace crossbar {
 namespace {
 
 // How long one blocking poll may last: what is left of the deadline, to the nanosecond, at
-// most 100 ms. (poll()'s whole milliseconds made a wait with under 1 ms left poll with
+// most max_sleep_ (100 ms). (poll()'s whole milliseconds made a wait with under 1 ms left poll with
 // timeout 0 until its deadline, spinning on a core other ranks needed.)
-std::chrono::nanoseconds sleepBound(Deadline deadline) {
-  constexpr std::chrono::nanoseconds kMax = std::chrono::milliseconds(100);
-  if (deadline.at() == Clock::time_point::max()) return kMax;
+std::chrono::nanoseconds sleepBound(Deadline deadline, std::chrono::nanoseconds max) {
+  if (deadline.at() == Clock::time_point::max()) return max;
   const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline.at() - Clock::now());
-  return std::clamp(left, std::chrono::nanoseconds(0), kMax);
+  return std::clamp(left, std::chrono::nanoseconds(0), max);
 }
 
 }  // namespace
@@ -119,7 +118,8 @@ bool ProgressEngine::waitUntil(const std::function<bool()>& done, Deadline deadl
     if (polling_) {
       // Another waiter blocks on the fds: wait for a pass that moves something, or for it
       // to stop polling (then one of us takes over).
-      wait_cv_.wait_for(wl, sleepBound(deadline), [&] { return generation_ != seen || !polling_; });
+      wait_cv_.wait_for(wl, sleepBound(deadline, max_sleep_.load(std::memory_order_relaxed)),
+                        [&] { return generation_ != seen || !polling_; });
       continue;
     }
     polling_ = true;
@@ -145,7 +145,7 @@ bool ProgressEngine::waitUntil(const std::function<bool()>& done, Deadline deadl
     }
     if (can_sleep) {
       // Bounded sleep: a lost wake-up costs at most this long, never a hang.
-      std::chrono::nanoseconds left = sleepBound(deadline);
+      std::chrono::nanoseconds left = sleepBound(deadline, max_sleep_.load(std::memory_order_relaxed));
       // No transport fd: nothing but a timeout ends the sleep, so keep it short.
       if (fds.empty()) left = std::min<std::chrono::nanoseconds>(left, std::chrono::microseconds(200));
       if (wake_fd_ >= 0) fds.push_back({wake_fd_, POLLIN, 0});

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -42,6 +43,9 @@ class ProgressEngine {
   bool progressOnce();
   // Progresses until done() is true (returns true) or deadline passes (returns false).
   bool waitUntil(const std::function<bool()>& done, Deadline deadline);
+  // Longest single blocking sleep (default 100 ms): a lost wake-up costs at most this. Tests
+  // raise it so that a missed wake-up shows as a wait of seconds, whatever the machine's load.
+  void setSleepBound(std::chrono::nanoseconds bound) { max_sleep_.store(bound, std::memory_order_relaxed); }
 
  private:
   std::recursive_mutex mutex_;  // transports are single-threaded inside; the engine serializes
@@ -49,6 +53,7 @@ class ProgressEngine {
   std::vector<std::pair<int, Hook>> hooks_;
   int next_hook_ = 0;
   int spin_us_;
+  std::atomic<std::chrono::nanoseconds> max_sleep_{std::chrono::milliseconds(100)};
 
   // A pass moved something: wakes the blocked waiters (header comment).
   void notifyMoved();
