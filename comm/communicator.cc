@@ -59,12 +59,15 @@ std::shared_ptr<Context> Context::create(std::shared_ptr<Store> store, int rank,
 
   // Route each peer: shared memory within a (virtual) node on one machine, UCX otherwise.
   std::string mode = env::getEnum("CROSSBAR_TRANSPORT");
+  auto viaShm = [&](int a, int b) {
+    return mode == "shm" ||
+           (mode == "auto" && ctx->topology_.sameMachine(a, b) && ctx->topology_.sameNode(a, b));
+  };
   std::vector<int> shm_peers, ucx_peers;
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
-    bool same_machine = ctx->topology_.sameMachine(rank, p);
-    bool use_shm = mode == "shm" || (mode == "auto" && same_machine && ctx->topology_.sameNode(rank, p));
-    if (use_shm && !same_machine)
+    bool use_shm = viaShm(rank, p);
+    if (use_shm && !ctx->topology_.sameMachine(rank, p))
       throw InvalidUsage(fmt::format("{}CROSSBAR_TRANSPORT=shm but rank {} runs on another machine ({}); "
                                      "use CROSSBAR_TRANSPORT=auto",
                                      errorContext(rank, "create communicator"), p, ctx->topology_.host(p)));
@@ -73,30 +76,13 @@ std::shared_ptr<Context> Context::create(std::shared_ptr<Store> store, int rank,
   ctx->route_.assign(size, nullptr);
   // Kept UCX workers (fault tolerance): this context's wire ids (UCP tag bits 48-62)
   // must be new to every member's worker, whose unexpected queue may still hold late
-  // messages of earlier epochs. Every rank offers the first id its fabric has not
-  // used; all take the same aligned block above the largest offer. When the ids run
-  // out, every fabric starts a fresh worker (all ranks see the same numbers).
+  // messages of earlier epochs (ucx::agreeWireBase). Agreed when any two ranks talk over
+  // UCX: then rank 0 does with one of them (routing is an equivalence), so every rank gives
+  // the same answer.
   uint32_t wire_base = 0;
-  bool any_ucx = false;  // does any pair of ranks talk over UCX? (the same answer on every rank)
-  for (int r = 1; r < size && mode != "shm"; ++r)
-    any_ucx |= mode == "ucx" || !ctx->topology_.sameMachine(0, r) || !ctx->topology_.sameNode(0, r);
-  if (ucx_fabric && any_ucx) {
-    ctx->store_->set(fmt::format("ucxwire/{}", rank), std::to_string(ucx_fabric->wireNext()));
-    uint32_t next = 0;
-    for (int r = 0; r < size; ++r)
-      next = std::max<uint32_t>(next, static_cast<uint32_t>(std::stoul(toString(
-                                          ctx->store_->get(fmt::format("ucxwire/{}", r), deadline)))));
-    uint32_t block = 1;
-    while (block < static_cast<uint32_t>(size)) block <<= 1;
-    wire_base = (next + block - 1) / block * block;
-    if (wire_base + block > ucx::kWireIds) {
-      CB_INFO("comm", "UCX wire ids exhausted after {} of {}: starting a fresh UCX worker", next,
-              ucx::kWireIds);
-      ucx_fabric->reset();
-      wire_base = 0;
-    }
-    ucx_fabric->setWireNext(wire_base + block);
-  }
+  bool any_ucx = false;
+  for (int r = 1; r < size; ++r) any_ucx |= !viaShm(0, r);
+  if (ucx_fabric && any_ucx) wire_base = ucx::agreeWireBase(*ucx_fabric, *ctx->store_, rank, size, deadline);
   // No UCX peer in this epoch: release the kept worker and its descriptors (a later
   // epoch that needs UCX again starts a fresh one; its wire ids still come from the max).
   if (ucx_fabric && ucx_peers.empty()) ucx_fabric->reset();

@@ -100,12 +100,6 @@ Record decodeRecord(const Bytes& in, int rank, int peer) {
   return r;
 }
 
-uint32_t nextPow2(uint32_t n) {
-  uint32_t b = 1;
-  while (b < n) b <<= 1;
-  return b;
-}
-
 struct HandshakeOp {
   bool done = false;
   ucs_status_t status = UCS_OK;
@@ -347,6 +341,29 @@ void Worker::closeAllBounded() {
 
 }  // namespace detail
 
+uint32_t wireBlock(int size) {
+  uint32_t b = 1;
+  while (b < static_cast<uint32_t>(size)) b <<= 1;
+  return b;
+}
+
+uint32_t agreeWireBase(Fabric& fabric, Store& store, int rank, int size, Deadline deadline) {
+  store.set(fmt::format("ucxwire/{}", rank), toBytes(std::to_string(fabric.wireNext())));
+  uint32_t next = 0;
+  for (int r = 0; r < size; ++r)
+    next = std::max<uint32_t>(
+        next, static_cast<uint32_t>(std::stoul(toString(store.get(fmt::format("ucxwire/{}", r), deadline)))));
+  const uint32_t block = wireBlock(size);
+  uint32_t base = (next + block - 1) / block * block;
+  if (base + block > kWireIds) {
+    CB_INFO("comm", "UCX wire ids exhausted after {} of {}: starting a fresh UCX worker", next, kWireIds);
+    fabric.reset();
+    base = 0;
+  }
+  fabric.setWireNext(base + block);
+  return base;
+}
+
 Fabric::Fabric() = default;
 Fabric::~Fabric() = default;  // the worker goes with its last user
 
@@ -368,7 +385,7 @@ UcxContext::UcxContext(const TransportSetup& setup, const std::string& prefix)
     throw InvalidArgument(fmt::format("{}the UCX transport supports at most {} ranks, got {}",
                                       errorContext(rank_, "ucx setup"), kMaxRanks, size_));
   wire_base_ = setup.ucx_wire_base;
-  wire_block_ = nextPow2(static_cast<uint32_t>(size_));
+  wire_block_ = ucx::wireBlock(size_);
   if (wire_base_ % wire_block_ != 0 || wire_base_ + wire_block_ > kWireIds)
     throw InvalidArgument(fmt::format("{}UCX wire ids {}+{} are not an aligned block below {}",
                                       errorContext(rank_, "ucx setup"), wire_base_, wire_block_, kWireIds));

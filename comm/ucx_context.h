@@ -57,6 +57,10 @@
 
 #include "comm/transport.h"
 
+namespace crossbar {
+class Store;
+}
+
 namespace crossbar::ucx {
 
 constexpr uint64_t kHandshakeTagBit = uint64_t{1} << 63;
@@ -92,6 +96,15 @@ class Fabric {
   std::shared_ptr<detail::Worker> worker_;
   uint32_t wire_next_ = 0;
 };
+
+// Wire ids a context of `size` ranks takes: an aligned block of the next power of two.
+uint32_t wireBlock(int size);
+// Collective over the `size` ranks of a context built on `fabric` (Context::create): the
+// first id of a block no member's worker has used yet. Each rank offers its fabric's next
+// unused id through `store` ("ucxwire/<rank>"); all take the aligned block above the
+// largest offer and advance their fabric past it. When the ids run out every fabric drops
+// its worker (the next context starts a fresh one) and the block starts at 0.
+uint32_t agreeWireBase(Fabric& fabric, Store& store, int rank, int size, Deadline deadline);
 
 struct PeerInfo {
   std::string host;

@@ -168,14 +168,15 @@ struct MoeBuffer::Impl {
   Layout layout(const int64_t* topk_idx, size_t tokens, int num_experts, const char* op) const;
   // A chunk crosses the network as messages of at most net_msg bytes on one tag (matched in
   // order): small enough to go eagerly, so no chunk waits for a rendezvous reply.
+  size_t pieceBytes(size_t bytes) const { return net_msg ? net_msg : bytes; }
   void sendPieces(std::vector<RequestPtr>& out, const uint8_t* p, size_t bytes, int peer, uint32_t tag) {
-    const size_t step = net_msg ? net_msg : bytes;
+    const size_t step = pieceBytes(bytes);
     for (size_t off = 0; off < bytes; off += step)
       out.push_back(comm->isend(p + off, std::min(step, bytes - off), peer, tag));
   }
   std::vector<RequestPtr> recvPieces(uint8_t* p, size_t bytes, int peer, uint32_t tag) {
     std::vector<RequestPtr> out;
-    const size_t step = net_msg ? net_msg : bytes;
+    const size_t step = pieceBytes(bytes);
     for (size_t off = 0; off < bytes; off += step)
       out.push_back(comm->irecv(p + off, std::min(step, bytes - off), peer, tag));
     return out;
@@ -746,7 +747,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       NetIn& in = net_in[m];
       for (size_t c = 0, nc = dataChunks(count, cm); c < nc; ++c) {
         const size_t lo = c * cm, hi_row = std::min<size_t>(count, lo + cm);
-        const size_t bytes = (hi_row - lo) * row, step = im.net_msg ? im.net_msg : bytes;
+        const size_t bytes = (hi_row - lo) * row, step = im.pieceBytes(bytes);
         auto pieces =
             im.recvPieces(im.net_recv[m].data() + lo * row, bytes, peer, tag + 1 + static_cast<uint32_t>(c));
         for (size_t p = 0; p < pieces.size(); ++p) {  // piece p: the chunk's bytes [p * step, (p + 1) * step)

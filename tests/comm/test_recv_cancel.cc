@@ -24,6 +24,7 @@ using namespace crossbar;
 using crossbar::testing::RankEnv;
 using crossbar::testing::RunOptions;
 using crossbar::testing::runRanks;
+using crossbar::testing::withRanksPerNode;
 
 namespace {
 
@@ -31,12 +32,6 @@ constexpr uint32_t kTag = 11;
 constexpr uint32_t kGoTag = 12;
 constexpr int64_t kUnwritten = -7;
 constexpr size_t kBig = 1 << 18;  // int64 words: 2 MiB, rendezvous on both transports
-
-RunOptions withRanksPerNode(int rpn) {
-  RunOptions opts;
-  opts.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(rpn);
-  return opts;
-}
 
 CommOptions longTimeout() {
   CommOptions o;

@@ -26,16 +26,7 @@ using namespace crossbar;
 using crossbar::testing::RankEnv;
 using crossbar::testing::RunOptions;
 using crossbar::testing::runRanks;
-
-namespace {
-
-RunOptions withRanksPerNode(int rpn) {
-  RunOptions opts;
-  opts.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(rpn);
-  return opts;
-}
-
-}  // namespace
+using crossbar::testing::withRanksPerNode;
 
 // Another thread fails each request while this one polls it with test(): every round
 // must end in the failure being thrown. (Before the fix, test() read the state a second

@@ -37,6 +37,13 @@ struct RunOptions {
   bool allow_rank_death = false;
 };
 
+// Options that split the ranks into virtual nodes of `ranks_per_node` (CROSSBAR_RANKS_PER_NODE).
+inline RunOptions withRanksPerNode(int ranks_per_node) {
+  RunOptions opts;
+  opts.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(ranks_per_node);
+  return opts;
+}
+
 struct RankResult {
   int rank = 0;
   bool ok = false;

@@ -3,12 +3,13 @@
 // (NaN, zero, subnormal, large; E8M0 and E4M3 scale codes all 256) and partial blocks.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
-#include <bit>
 #include <vector>
 
 #include "collectives/moe/host_codec.h"
@@ -135,20 +136,27 @@ TEST(MoeHostCodec, DecodeNanFreeBlocksMatchesShared) {
   decodeNanFreeBlocks();
 }
 
-// Each implementation explicitly (the default is only the best one): the AVX-512 decode's
-// ordinary blocks, and the AVX2 / scalar paths it falls back to for the others.
-TEST(MoeHostCodec, EveryIsaDecodeMatchesShared) {
+// Runs `check` once per codec implementation this CPU and build support, named in the trace.
+void forEachSupportedIsa(const std::function<void(HostCodecIsa)>& check) {
   for (HostCodecIsa isa : {HostCodecIsa::kScalar, HostCodecIsa::kAvx2, HostCodecIsa::kAvx512}) {
     if (!hostCodecIsaSupported(isa)) {
       std::printf("skipping %s: not supported by this CPU or build\n", hostCodecIsaName(isa));
       continue;
     }
     SCOPED_TRACE(hostCodecIsaName(isa));
+    check(isa);
+  }
+}
+
+// Each implementation explicitly (the default is only the best one): the AVX-512 decode's
+// ordinary blocks, and the AVX2 / scalar paths it falls back to for the others.
+TEST(MoeHostCodec, EveryIsaDecodeMatchesShared) {
+  forEachSupportedIsa([](HostCodecIsa isa) {
     g_isa = &isa;
     fp8EveryCodeManyScales();
     decodeNanFreeBlocks();
     g_isa = nullptr;
-  }
+  });
 }
 
 template <class T>
@@ -205,14 +213,7 @@ TEST(MoeHostCodec, EncodeMatchesQuantizeRow) {
 
 // Each implementation the CPU has, explicitly.
 TEST(MoeHostCodec, EveryIsaEncodeMatchesQuantizeRow) {
-  for (HostCodecIsa isa : {HostCodecIsa::kScalar, HostCodecIsa::kAvx2, HostCodecIsa::kAvx512}) {
-    if (!hostCodecIsaSupported(isa)) {
-      std::printf("skipping %s: not supported by this CPU or build\n", hostCodecIsaName(isa));
-      continue;
-    }
-    SCOPED_TRACE(hostCodecIsaName(isa));
-    encodeMatchesQuantizeRow(&isa);
-  }
+  forEachSupportedIsa([](HostCodecIsa isa) { encodeMatchesQuantizeRow(&isa); });
 }
 
 }  // namespace
