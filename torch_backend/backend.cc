@@ -273,6 +273,29 @@ void checkSameType(const at::Tensor& a, const at::Tensor& b, int rank, const cha
                                       errorContext(rank, op), a.device().str(), b.device().str()));
 }
 
+// The root's list of one tensor per rank for gather (`role` "output") or scatter ("input"),
+// each like `ref` (the rank's own tensor); the other ranks pass none (an empty list).
+std::vector<at::Tensor> rootTensorList(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref,
+                                       int rank, int root, int size, const char* op, const char* role,
+                                       const char* ref_role) {
+  if (rank != root) {
+    if (!lists.empty() && !lists[0].empty())
+      throw InvalidArgument(fmt::format("{}only the root passes {} tensors", errorContext(rank, op), role));
+    return {};
+  }
+  if (lists.size() != 1 || lists[0].size() != static_cast<size_t>(size))
+    throw InvalidArgument(
+        fmt::format("{}the root needs one {} list of {} tensors", errorContext(rank, op), role, size));
+  for (const auto& t : lists[0]) {
+    checkTensor(t, rank, op);
+    checkSameType(t, ref, rank, op);
+    if (t.numel() != ref.numel())
+      throw InvalidArgument(
+          fmt::format("{}{} tensors must match the {}'s size", errorContext(rank, op), role, ref_role));
+  }
+  return lists[0];
+}
+
 // The first tensor of a list (undefined when empty: the call then runs on the host).
 at::Tensor firstOf(const std::vector<at::Tensor>& ts) {
   return ts.empty() ? at::Tensor() : ts[0];
@@ -1652,21 +1675,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::gather(std::vector<std::vector<a
   checkSingle(inputs, rank_, "gather");
   const int root = static_cast<int>(opts.rootRank);
   at::Tensor in = inputs[0];
-  std::vector<at::Tensor> outs;
-  if (rank_ == root) {
-    if (outputs.size() != 1 || outputs[0].size() != static_cast<size_t>(size_))
-      throw InvalidArgument(fmt::format("{}the root needs one output list of {} tensors",
-                                        errorContext(rank_, "gather"), size_));
-    outs = outputs[0];
-    for (const auto& o : outs) {
-      checkTensor(o, rank_, "gather");
-      checkSameType(o, in, rank_, "gather");
-      if (o.numel() != in.numel())
-        throw InvalidArgument(errorContext(rank_, "gather") + "output tensors must match the input's size");
-    }
-  } else if (!outputs.empty() && !outputs[0].empty()) {
-    throw InvalidArgument(errorContext(rank_, "gather") + "only the root passes output tensors");
-  }
+  std::vector<at::Tensor> outs = rootTensorList(outputs, in, rank_, root, size_, "gather", "output", "input");
   CollOptions o{timeoutOf(opts.timeout), "", 1.0};
   return submit(c10d::OpType::GATHER, "gather", outs, o.timeout, in, [&](CrossbarWork& w, Ops& ops) {
     at::Tensor src = contiguousCopy(in);
@@ -1692,21 +1701,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::scatter(std::vector<at::Tensor>&
   checkSingle(outputs, rank_, "scatter");
   const int root = static_cast<int>(opts.rootRank);
   at::Tensor out = outputs[0];
-  std::vector<at::Tensor> ins;
-  if (rank_ == root) {
-    if (inputs.size() != 1 || inputs[0].size() != static_cast<size_t>(size_))
-      throw InvalidArgument(fmt::format("{}the root needs one input list of {} tensors",
-                                        errorContext(rank_, "scatter"), size_));
-    ins = inputs[0];
-    for (const auto& i : ins) {
-      checkTensor(i, rank_, "scatter");
-      checkSameType(i, out, rank_, "scatter");
-      if (i.numel() != out.numel())
-        throw InvalidArgument(errorContext(rank_, "scatter") + "input tensors must match the output's size");
-    }
-  } else if (!inputs.empty() && !inputs[0].empty()) {
-    throw InvalidArgument(errorContext(rank_, "scatter") + "only the root passes input tensors");
-  }
+  std::vector<at::Tensor> ins = rootTensorList(inputs, out, rank_, root, size_, "scatter", "input", "output");
   CollOptions o{timeoutOf(opts.timeout), "", 1.0};
   return submit(c10d::OpType::SCATTER, "scatter", outputs, o.timeout, out, [&](CrossbarWork& w, Ops& ops) {
     std::vector<std::function<void()>> post;

@@ -79,6 +79,15 @@ def _async_and_errors(rank, world):
         dist.all_reduce(torch.ones(3, dtype=torch.bool), op=dist.ReduceOp.AVG)
     with pytest.raises(crossbar.InvalidArgument, match="elements"):
         dist.all_gather_into_tensor(torch.empty(3), torch.empty(2))
+    # gather/scatter: the root passes one tensor per rank, each of its own tensor's size
+    # (checked before anything is sent: only the root makes these calls).
+    if rank == 0:
+        with pytest.raises(crossbar.InvalidArgument, match=f"one output list of {world} tensors"):
+            dist.gather(torch.ones(2), [torch.empty(2)] * (world + 1), dst=0)
+        with pytest.raises(crossbar.InvalidArgument, match="output tensors must match the input's size"):
+            dist.gather(torch.ones(2), [torch.empty(3)] * world, dst=0)
+        with pytest.raises(crossbar.InvalidArgument, match="input tensors must match the output's size"):
+            dist.scatter(torch.empty(2), [torch.ones(3)] * world, src=0)
     # Data movement works for dtypes without arithmetic support (moved as bytes).
     t = torch.full((3,), complex(rank, 1), dtype=torch.complex64)
     dist.broadcast(t, src=0)
