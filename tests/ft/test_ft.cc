@@ -673,6 +673,76 @@ TEST(FtStore, LostStoreIsReported) {
   EXPECT_THROW(ft->comm()->isend(&x, 4, 0, 1), SystemError);
 }
 
+// A replacement dies while the epoch that admits it is built: ranks 0-3 start, rank 3
+// is killed, 0-2 shrink to epoch 1; grow(4) admits the joiner (launcher rank 4) as rank
+// 3 of epoch 2, which SIGKILLs itself at `exit_step` of that setup (empty: as soon as
+// join() returned, before any collective of epoch 2). The members must fail
+// within the bound, blame the joiner, shrink to epoch 3 (their three ranks, unchanged)
+// and compute correctly. (A joiner killed in the middle of a UCX wireup can abort a
+// member inside UCX: test_ft_ucx_wireup's DISABLED_JoinerStress.)
+void joinerDiesDuringSetup(const std::string& exit_step, int ranks_per_node) {
+  SCOPED_TRACE(fmt::format("joiner dies at '{}', {} ranks per node", exit_step, ranks_per_node));
+  const int n = 4, first = 3, joiner = 4;
+  auto options = ftRun();
+  options.env["CROSSBAR_CONNECT_TIMEOUT"] = "60s";
+  if (!exit_step.empty()) options.env["CROSSBAR_FT_TEST_EXIT_AT"] = fmt::format("2:3:{}", exit_step);
+  if (ranks_per_node > 0) options.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(ranks_per_node);
+  auto results = runRanks(
+      n + 1,
+      [&](RankEnv& env) {
+        if (env.rank == joiner) {
+          auto ft = FaultTolerantComm::join(env.store, ftOptions(env));
+          if (exit_step.empty()) ::kill(::getpid(), SIGKILL);
+          // Where its own part of the setup finished: dies in the first collective's
+          // symmetric-heap rendezvous.
+          auto coll = std::make_unique<Collectives>(ft->comm());
+          step(*coll, 0, 43);
+          ADD_FAILURE() << "the joiner should have died at '" << exit_step << "'";
+          return;
+        }
+        auto ft = FaultTolerantComm::create(env.store, env.rank, n, ftOptions(env));
+        auto coll = std::make_unique<Collectives>(ft->comm());
+        for (int it = 0; it < 4; ++it) step(*coll, it, 41);
+        if (!loseRankInCollectives(*ft, coll, env.rank, first, 42)) return;
+        ft->shrink();
+        coll.reset();
+        const int64_t t0 = monoNs();
+        try {
+          ft->grow(n);
+          coll = std::make_unique<Collectives>(ft->comm());
+          for (int it = 0; it < 4; ++it) step(*coll, it, 43);
+          ADD_FAILURE() << "no failure in the epoch that admitted the joiner";
+          return;
+        } catch (const Error& e) {
+          coll.reset();
+          EXPECT_EQ(ft->epoch(), 2u) << e.what();
+          EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kAborted) << e.what();
+          EXPECT_LT(monoNs() - t0, (kDetect + kSlack).count() * 1'000'000LL)
+              << "waited too long for the joiner: " << e.what();
+          auto faults = ft->handleError(e);
+          ASSERT_EQ(faults.size(), 1u) << e.what();
+          EXPECT_EQ(faults[0].rank, 3) << faults[0].describe();
+          EXPECT_EQ(faults[0].kind, FailureKind::kDead) << faults[0].describe();
+        }
+        ft->shrink();
+        EXPECT_EQ(ft->epoch(), 3u);
+        EXPECT_EQ(ft->size(), 3);
+        EXPECT_EQ(ft->rank(), env.rank);
+        coll = std::make_unique<Collectives>(ft->comm());
+        for (int it = 0; it < 4; ++it) step(*coll, it, 44);
+        coll.reset();
+        ft->comm()->barrier();
+      },
+      options, /*expect_ok=*/false);
+  expectOutcome(results, {first, joiner});
+}
+
+TEST(FtGrow, JoinerDiesDuringSetup) {
+  joinerDiesDuringSetup("unix connect", 0);  // one node: in the shm handshake
+  joinerDiesDuringSetup("symmem/", 0);       // setup done; in the first heap rendezvous
+  joinerDiesDuringSetup("", 1);              // one rank per node: once its UCX wireup is done
+}
+
 // Shrink/grow cycles: ranks 0-3 start, 4 and 5 are replacements that join. Each
 // cycle kills one member, shrinks to 3, admits a replacement and continues at 4.
 TEST(FtGrow, ShrinkGrowCycles) {
