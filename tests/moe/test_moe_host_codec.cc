@@ -186,10 +186,15 @@ void encodeMatchesQuantizeRow(const HostCodecIsa* isa) {
       for (size_t i = 0; i < x.size(); ++i) x[i] = BFloat16::fromBits(static_cast<uint16_t>(i * stride));
       expectEncodeSame(c, x, 128, isa);
       expectEncodeSame(c, x, 200, isa);
+      // Rows of whole groups of eight blocks: the SIMD paths' eight-block form (AVX-512's wide
+      // encode), plus a partial group after them.
+      expectEncodeSame(c, x, 1024, isa);
+      expectEncodeSame(c, x, 1024 + 256 + 40, isa);
       // Every bf16 pattern as f32 too, and rows whose last block is partial in every way.
       std::vector<float> xf(x.size());
       for (size_t i = 0; i < x.size(); ++i) xf[i] = x[i].toFloat();
       expectEncodeSame(c, xf, 128, isa);
+      expectEncodeSame(c, xf, 1024, isa);
       for (size_t hidden : {size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{127}, size_t{129}, size_t{255}})
         expectEncodeSame(c, std::vector<BFloat16>(x.begin(), x.begin() + static_cast<ptrdiff_t>(hidden * 64)),
                          hidden, isa);
