@@ -736,35 +736,38 @@ inline bool wideBlockOk(int count, float scale) {
   const uint32_t e = (scalar::floatBitsOf(scale) >> 23) & 0xFFu;  // biased exponent of |scale|
   return count % 16 == 0 && e >= 127 - 117 && e <= 127 + 7;
 }
-CROSSBAR_AVX512 void e4m3DecodeWide(const uint8_t* q, int count, float scale, BFloat16* out) {
+CROSSBAR_AVX512 inline void e4m3DecodeWide(const uint8_t* q, int count, float scale, BFloat16* out) {
   const __m512 s = _mm512_set1_ps(scale * 0x1p120f);
-  const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u)), low7 = _mm512_set1_epi32(0x7F);
+  const __m512i keep = _mm512_set1_epi32(static_cast<int>(0x87F00000u));  // sign, E4M3 magnitude << 20
   // The zero-masked forms: GCC 12's unmasked ones pass an "undefined" vector that
   // -Wmaybe-uninitialized reports.
   const __mmask16 all = 0xFFFF;
   for (int i = 0; i < count; i += 16) {
+    // The code sign-extended, shifted by 20: its magnitude lands on bits 20-26 and copies of
+    // its sign on 27-31; the mask keeps the magnitude and bit 31.
     const __m512i c =
-        _mm512_maskz_cvtepu8_epi32(all, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
-    const __m512i sign = _mm512_maskz_slli_epi32(all, c, 24);
-    const __m512i mag = _mm512_maskz_slli_epi32(all, _mm512_and_si512(c, low7), 20);
-    // sign_bit ? sign : mag, bitwise (imm 0xCA: A ? B : C)
-    const __m512i v = _mm512_ternarylogic_epi32(sign_bit, sign, mag, 0xCA);
+        _mm512_maskz_cvtepi8_epi32(all, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
+    const __m512i v = _mm512_and_si512(_mm512_maskz_slli_epi32(all, c, 20), keep);
     const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_castsi512_ps(v), s));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), reinterpret_cast<const __m256i&>(h));
   }
 }
-#undef CROSSBAR_AVX512
+// Whether count (<= 128) codes hold no NaN (S.1111.111); the bytes past count are not read.
+CROSSBAR_AVX512 inline bool nanFreeCodes(const uint8_t* q, int count) {
+  const __m512i low7 = _mm512_set1_epi8(0x7F);
+  __mmask64 nan = 0;
+  for (int i = 0; i < count; i += 64) {
+    const __mmask64 n = count - i >= 64 ? ~__mmask64{0} : (__mmask64{1} << (count - i)) - 1;
+    const __m512i v = _mm512_maskz_loadu_epi8(n, q + i);  // zeros past count: never 0x7F
+    nan |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(v, low7), low7);
+  }
+  return nan == 0;
+}
 
-template <bool kWide, class T>
+template <class T>
 CROSSBAR_AVX2 void e4m3Decode(const uint8_t* q, int count, float scale, bool daz, T* out) {
   const __m256 s = _mm256_set1_ps(scale);
   int i = 0;
-  if constexpr (kWide && std::is_same_v<T, BFloat16>) {
-    if (!daz && wideBlockOk(count, scale) && nanFreeBlock(q, count, scale)) {
-      e4m3DecodeWide(q, count, scale, out);
-      return;
-    }
-  }
   if (!daz && nanFreeBlock(q, count, scale)) {
     // The loop below without its NaN selects (same products, same rounding).
     const __m256 rebias = _mm256_set1_ps(0x1p120f);
@@ -798,6 +801,23 @@ CROSSBAR_AVX2 void e4m3Decode(const uint8_t* q, int count, float scale, bool daz
   }
 }
 
+// kAvx512's fp8 block-128 / MXFP8 decode of a whole row to bf16 (MXCSR.DAZ clear): blocks
+// that wideBlockOk and hold no NaN code take e4m3DecodeWide, the others e4m3Decode's AVX2
+// path; one call per row, the checks inline (per-block calls cost as much as the products
+// for MXFP8's 32-value blocks).
+template <class ScaleOf>
+CROSSBAR_AVX512 void e4m3DecodeRowWide(const uint8_t* q, size_t hidden, int bs, ScaleOf scaleOf,
+                                       BFloat16* out) {
+  for (size_t b = 0, i = 0; i < hidden; ++b, i += static_cast<size_t>(bs)) {
+    const int count = blockCount(hidden, i, bs);
+    const float scale = scaleOf(b);
+    if (wideBlockOk(count, scale) && nanFreeCodes(q + i, count))  // (wideBlockOk: scale finite)
+      e4m3DecodeWide(q + i, count, scale, out + i);
+    else
+      e4m3Decode(q + i, count, scale, false, out + i);
+  }
+}
+
 // `values`: e2m1BitsToFloat of the magnitudes 0..7, picked per lane; the sign goes on as a bit.
 template <class T>
 CROSSBAR_AVX2 void nvfp4Decode(const uint8_t* packed, int count, float d, __m256 values, T* out) {
@@ -818,7 +838,7 @@ CROSSBAR_AVX2 void nvfp4Decode(const uint8_t* packed, int count, float d, __m256
   }
 }
 
-// kWide: kAvx512's decode (e4m3DecodeWide for the blocks it covers).
+// kWide: kAvx512's decode (e4m3DecodeRowWide for bf16 output).
 template <bool kWide, class T>
 CROSSBAR_AVX2 void decodeRow(PayloadCodec codec, const uint8_t* payload, const void* scales, size_t hidden,
                              T* out, float global_scale) {
@@ -826,15 +846,22 @@ CROSSBAR_AVX2 void decodeRow(PayloadCodec codec, const uint8_t* payload, const v
   switch (codec) {
     case PayloadCodec::kFp8Block128: {
       const auto* s = static_cast<const float*>(scales);
+      if constexpr (kWide && std::is_same_v<T, BFloat16>)
+        if (!daz)
+          return e4m3DecodeRowWide(
+              payload, hidden, kFp8BlockSize, [s](size_t b) { return s[b]; }, out);
       for (size_t b = 0, i = 0; i < hidden; ++b, i += kFp8BlockSize)
-        e4m3Decode<kWide>(payload + i, blockCount(hidden, i, kFp8BlockSize), s[b], daz, out + i);
+        e4m3Decode(payload + i, blockCount(hidden, i, kFp8BlockSize), s[b], daz, out + i);
       return;
     }
     case PayloadCodec::kMxfp8: {
       const auto* s = static_cast<const uint8_t*>(scales);
+      if constexpr (kWide && std::is_same_v<T, BFloat16>)
+        if (!daz)
+          return e4m3DecodeRowWide(
+              payload, hidden, kMxBlockSize, [s](size_t b) { return e8m0BitsToFloat(s[b]); }, out);
       for (size_t b = 0, i = 0; i < hidden; ++b, i += kMxBlockSize)
-        e4m3Decode<kWide>(payload + i, blockCount(hidden, i, kMxBlockSize), e8m0BitsToFloat(s[b]), daz,
-                          out + i);
+        e4m3Decode(payload + i, blockCount(hidden, i, kMxBlockSize), e8m0BitsToFloat(s[b]), daz, out + i);
       return;
     }
     case PayloadCodec::kNvfp4: {
@@ -878,6 +905,7 @@ CROSSBAR_AVX2 void roundRow(BFloat16* out, const float* x, size_t n) {
   scalar::roundRow(out + c, x + c, n - c);
 }
 
+#undef CROSSBAR_AVX512
 #undef CROSSBAR_AVX2
 }  // namespace avx2
 #endif  // CROSSBAR_HOST_CODEC_HAVE_AVX2

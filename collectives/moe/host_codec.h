@@ -11,7 +11,9 @@
 //           computed together (host_codec.cc says why the bytes are the same).
 //   avx512  avx2, with fp8 / MXFP8 decode to bf16 of ordinary blocks (no NaN, scale in
 //           [2^-117, 2^8)) on AVX-512 + AVX512_BF16: sixteen values per step and the hardware
-//           bf16 rounding, about twice avx2's speed; other blocks take the avx2 path.
+//           bf16 rounding, one call per row (fp8 ~1.9x, MXFP8 ~1.8x avx2's speed); other
+//           blocks take the avx2 path. (An AVX-512 encode was tried: no faster than avx2 on
+//           this Zen 4, which runs 512-bit operations as two 256-bit halves.)
 // CROSSBAR_MOE_HOST_CODEC=scalar forces the scalar path, avx2 the AVX2 one (for comparison);
 // auto (default) takes the best the CPU has.
 //
