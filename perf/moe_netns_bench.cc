@@ -556,6 +556,7 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     double net2 = 0, netf = 0;
     std::vector<double> disp_phases, comb_phases;
     std::array<double, 5> disp_cpu{};  // this rank's dispatch: user s, system s, switches, page faults
+    double disp_wall = 0;              // this rank's dispatch wall time, s (timed iterations)
     DispatchResult spare;              // the previous iteration's dispatch result, recycled
   };
   std::vector<std::unique_ptr<Run>> live;
@@ -640,8 +641,10 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
     DispatchResult d = buf->dispatch(args);
     auto t1 = Clock::now();
     const auto cpu1 = cpuUsage();
-    if (timed)
+    if (timed) {
       for (int q = 0; q < 5; ++q) disp_cpu[q] += cpu1[q] - cpu0[q];
+      r.disp_wall += std::chrono::duration<double>(t1 - t0).count();
+    }
     const void* y2 = d.x.data();
     if (qio) {
       // The experts' work (not timed): their bf16 outputs, here the dequantized rows.
@@ -737,6 +740,14 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
       print(fmt::format("#   {} 2l dispatch cpu, all ranks per call: user {:.1f} sys {:.1f} ms, {:.0f} voluntary "
                         "{:.0f} involuntary switches, {:.0f} page faults\n",
                         fname, all[0] * 1e3, all[1] * 1e3, all[2], all[3], all[4]));
+      // Per rank (mean per call): which rank is the slowest, and whether it waited or computed.
+      std::vector<double> pr(2 * static_cast<size_t>(R), 0.0);
+      pr[me] = r.disp_wall / timed_iters * 1e3;
+      pr[R + me] = (disp_cpu[0] + disp_cpu[1]) / timed_iters * 1e3;
+      coll.allreduce(pr.data(), pr.data(), pr.size(), DataType::kFloat64, ReduceOp::kSum)->wait();
+      std::string ranks = fmt::format("#   {} 2l dispatch per rank, wall / cpu ms:", fname);
+      for (int q = 0; q < R; ++q) ranks += fmt::format(" {:.1f}/{:.1f}", pr[q], pr[R + q]);
+      print(ranks + "\n");
       line("combine", kCombinePhases, comb_phases);
     }
     net2 = sumOf(net2) / R / 1e6;
