@@ -43,6 +43,10 @@ class ProgressEngine {
   bool progressOnce();
   // Progresses until done() is true (returns true) or deadline passes (returns false).
   bool waitUntil(const std::function<bool()>& done, Deadline deadline);
+  // Wakes the blocked waiters to look again: for a transport that finished a request
+  // outside progressOnce() (its worker progressed by another user, as the symmetric
+  // heap's remote waits progress the UCX worker, or an abort). Cheap when nobody blocks.
+  void notifyMoved();
   // Longest single blocking sleep (default 100 ms): a lost wake-up costs at most this. Tests
   // raise it so that a missed wake-up shows as a wait of seconds, whatever the machine's load.
   void setSleepBound(std::chrono::nanoseconds bound) { max_sleep_.store(bound, std::memory_order_relaxed); }
@@ -55,8 +59,6 @@ class ProgressEngine {
   int spin_us_;
   std::atomic<std::chrono::nanoseconds> max_sleep_{std::chrono::milliseconds(100)};
 
-  // A pass moved something: wakes the blocked waiters (header comment).
-  void notifyMoved();
   std::atomic<int> blocking_waiters_{0};  // waits past their spin (read without wait_mutex_)
   std::mutex wait_mutex_;
   std::condition_variable wait_cv_;

@@ -14,9 +14,18 @@
 // PeerFailure (receives are also cancelled in UCX, since UCX only fails sends on
 // an endpoint error), and later operations with it fail at once. Keepalive
 // (ucx_context.cc) bounds how long a dead peer with no traffic goes unnoticed.
+//
+// Wake-ups: the worker is also progressed outside the engine (the symmetric heap's
+// remote waits progress it directly, an abort fails requests from any thread). A request
+// finished there consumed the event the engine's blocked waiters sleep on (the worker's
+// fd is level-triggered: once read, it stays quiet), so its waiter would sleep to its
+// bound. Every operation finished outside one of our own progress passes therefore
+// wakes the engine, and a pass reports "moved" when it finished any operation, whatever
+// ucp_worker_progress counted (failed endpoints closed in the pass fail operations too).
 #include <fmt/format.h>
 
 #include <unordered_map>
+#include <utility>
 
 #include "comm/errors.h"
 #include "comm/log.h"
@@ -161,9 +170,12 @@ class UcxTransport final : public Transport {
 
   bool progress() override {
     std::lock_guard<std::recursive_mutex> lock(ctx_->mutex());
+    const bool outer = std::exchange(in_pass_, true);
+    const uint64_t finished_before = finished_;
     bool moved = ctx_->progress();
     moved |= cancelDeferred();
-    return moved;
+    in_pass_ = outer;
+    return moved || finished_ != finished_before;
   }
 
   void pollFds(std::vector<pollfd>& fds) override { fds.push_back(pollfd{ctx_->efd(), POLLIN, 0}); }
@@ -181,6 +193,7 @@ class UcxTransport final : public Transport {
     CB_INFO("ucx", "aborting: failing {} pending operation(s) and closing {}", pending_.size(),
             ctx_->kept() ? "the endpoints still busy with them" : "every endpoint");
     failAll(error);  // also withdraws the receives no message matched (gone from pending_ now)
+    finishedOutsidePass();
     if (ctx_->kept()) {
       // A kept worker's endpoints serve the next epoch (comm/ucx_context.h). What this
       // epoch still has on one (a send, a receive a message matched) could read or
@@ -257,8 +270,11 @@ class UcxTransport final : public Transport {
     }
     op->self->finish(op, status, bytes, message_bytes);
     if (op->registered) {
+      UcxTransport* self = op->self;
       ucp_request_free(request);
-      op->self->pending_.erase(op->id);  // deletes op
+      self->pending_.erase(op->id);  // deletes op
+      ++self->finished_;
+      if (!self->in_pass_) self->finishedOutsidePass();
     } else {
       op->finished = true;
     }
@@ -318,9 +334,17 @@ class UcxTransport final : public Transport {
       // queue, so cancel them -- outside UCX's callback, in progress().
       if (!op->is_send) to_cancel_.push_back(op->id);
     }
+    finished_ += failed;
+    if (failed && !in_pass_) finishedOutsidePass();
     if (failed)
       CB_WARN("ucx", "{} failed ({}): failed {} pending operation(s) with it", ctx_->describePeer(peer),
               ucx::statusText(status), failed);
+  }
+
+  // A request finished outside our progress passes: its waiter may sleep on the event that
+  // finished it (file comment, "Wake-ups").
+  void finishedOutsidePass() {
+    if (engine_) engine_->notifyMoved();
   }
 
   bool cancelDeferred() {
@@ -370,6 +394,9 @@ class UcxTransport final : public Transport {
   uint64_t next_id_ = 1;
   std::unordered_map<uint64_t, std::unique_ptr<Op>> pending_;  // by Op::id
   std::vector<uint64_t> to_cancel_;                            // Op ids
+  // Under ctx_->mutex(): inside one of our progress() passes; operations finished (ever).
+  bool in_pass_ = false;
+  uint64_t finished_ = 0;
   std::exception_ptr aborted_;
   std::shared_ptr<CancelGate> cancel_gate_ = std::make_shared<CancelGate>();
 };

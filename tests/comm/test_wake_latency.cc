@@ -1,0 +1,193 @@
+// Send-to-wake latency with several threads waiting on one progress engine (the torch
+// backend always has several). Two ranks play ping-pong of small messages: on each rank
+// several threads, each with its own tags and requests, so at any time some threads block
+// on the engine (one polls the transports' fds, the others wait on its condition
+// variable) while others post, spin and progress; one more thread only waits, in 50 ms
+// slices (as the torch backend's completion thread does). Every message carries its send
+// time; a receiver records how long after it its wait returned. Variants add a thread
+// that progresses the transports all the time:
+//  * `test_poller`: through the engine, polling a request that never completes with
+//    test() (progress passes land between the poller's arm and its poll);
+//  * `worker_outside` (UCX): the UCX worker directly, as the symmetric heap's remote waits
+//    do (progress, arm, poll the worker's fd for 1 ms): such a pass completes the
+//    engine's requests without an engine pass.
+//
+// A lost wake-up leaves a waiter asleep until its sleep's bound ends it, or another
+// thread's traffic happens to wake it. The test raises that bound to 5 s (setSleepBound),
+// so a lost wake-up costs up to seconds, far above what a loaded machine causes (waits
+// here take well under a millisecond; under heavy load tens of ms), and checks that no
+// wait took 2 s or more. The idle thread's 50 ms slices would end a lost wake-up early
+// (a new poller takes over), so the variants that look for lost wake-ups leave it out.
+//
+// Knobs for measuring (not needed to run the test): CROSSBAR_TEST_WAKE_ROUNDS (rounds per
+// thread, default 150), CROSSBAR_TEST_WAKE_THREADS (ping-pong threads, default 2),
+// CROSSBAR_TEST_WAKE_BOUND_MS (sleep bound, default 5000; the library's default is 100).
+#include <gtest/gtest.h>
+#include <poll.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/context.h"
+#include "comm/progress.h"
+#include "comm/ucx_context.h"
+#include "harness/multiprocess.h"
+
+using namespace crossbar;
+using crossbar::testing::RankEnv;
+using crossbar::testing::runRanks;
+using crossbar::testing::withRanksPerNode;
+
+namespace {
+
+enum class Extra { kIdleWaiter, kTestPoller, kWorkerOutside };
+
+struct Variant {
+  int ranks_per_node;  // 0: shm, 1: UCX
+  Extra extra;
+};
+
+std::string nameOf(const Variant& v) {
+  std::string t = v.ranks_per_node == 0 ? "shm" : "ucx";
+  switch (v.extra) {
+    case Extra::kIdleWaiter: return t + "_idle_waiter";
+    case Extra::kTestPoller: return t + "_test_poller";
+    case Extra::kWorkerOutside: return t + "_worker_outside";
+  }
+  return t;
+}
+
+int envInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+int64_t nowNs() { return Clock::now().time_since_epoch().count(); }
+
+// Prints the distribution of one rank's waits; returns how many took `lost_ms` or more.
+int report(const std::string& variant, int rank, std::vector<double> ms, double lost_ms) {
+  std::sort(ms.begin(), ms.end());
+  const auto at = [&](double q) { return ms[std::min(ms.size() - 1, static_cast<size_t>(q * ms.size()))]; };
+  const auto over = [&](double bound) {
+    return static_cast<int>(ms.end() - std::lower_bound(ms.begin(), ms.end(), bound));
+  };
+  std::printf(
+      "%s rank %d: %zu waits, send-to-wake ms: median %.3f p90 %.3f p99 %.3f max %.3f; "
+      "over 1 ms: %d, over 20 ms: %d, over %.0f ms: %d\n",
+      variant.c_str(), rank, ms.size(), at(0.5), at(0.9), at(0.99), ms.back(), over(1.0), over(20.0), lost_ms,
+      over(lost_ms));
+  std::fflush(stdout);
+  return over(lost_ms);
+}
+
+// What the symmetric heap's remote waits do with the UCX worker: progress it under its
+// lock, then arm it and poll its fd for up to 1 ms.
+void progressWorkerOutsideTheEngine(ucx::UcxContext& ctx) {
+  bool armed;
+  {
+    std::lock_guard<std::recursive_mutex> lock(ctx.mutex());
+    ctx.progress();
+    armed = ctx.arm();
+  }
+  if (armed) {
+    pollfd pfd{ctx.efd(), POLLIN, 0};
+    ::poll(&pfd, 1, 1);
+  }
+}
+
+}  // namespace
+
+class WakeLatency : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(WakeLatency, SeveralWaitingThreadsWakeOnTheirMessages) {
+  const Variant variant = GetParam();
+  const std::string name = nameOf(variant);
+  const int rounds = envInt("CROSSBAR_TEST_WAKE_ROUNDS", 150);
+  const int threads = envInt("CROSSBAR_TEST_WAKE_THREADS", 2);
+  const int bound_ms = envInt("CROSSBAR_TEST_WAKE_BOUND_MS", 5000);
+  auto opts = withRanksPerNode(variant.ranks_per_node);
+  opts.timeout = Millis(600'000);
+  runRanks(
+      2,
+      [&](RankEnv& env) {
+        auto c = env.communicator();
+        const Deadline patient = Deadline::after(Millis(300'000));
+        c->engine().setSleepBound(std::chrono::milliseconds(bound_ms));
+        c->barrier(patient);
+        const int peer = 1 - c->rank();
+        std::atomic<bool> stop{false};
+        std::thread extra([&] {
+          switch (variant.extra) {
+            case Extra::kIdleWaiter:
+              while (!stop.load()) c->engine().waitUntil([&] { return stop.load(); }, Deadline::after(Millis(50)));
+              break;
+            case Extra::kTestPoller: {
+              int sink = 0;  // a receive nothing ever matches
+              auto never = c->irecv(&sink, sizeof sink, peer, 99);
+              while (!stop.load()) {
+                EXPECT_FALSE(never->test());
+                std::this_thread::sleep_for(std::chrono::microseconds(20));  // often, without taking a core
+              }
+              never->cancel();
+              break;
+            }
+            case Extra::kWorkerOutside: {
+              auto ctx = ucx::ucxContextOf(c->context().transportTo(peer));
+              ASSERT_NE(ctx, nullptr);
+              while (!stop.load()) progressWorkerOutsideTheEngine(*ctx);
+              break;
+            }
+          }
+        });
+        std::vector<std::vector<double>> late(threads);
+        std::vector<std::thread> pool;
+        for (int t = 0; t < threads; ++t) {
+          pool.emplace_back([&, t] {
+            const uint32_t ping = 100 + 2 * t, pong = ping + 1;
+            const uint32_t my_recv = c->rank() == 0 ? pong : ping, my_send = c->rank() == 0 ? ping : pong;
+            for (int i = 0; i < rounds; ++i) {
+              int64_t got = 0;
+              auto r = c->irecv(&got, sizeof got, peer, my_recv);  // posted before the peer can send
+              if (c->rank() == 0 || i > 0) {
+                // Let the peer's waiter get past its spin into a blocking sleep (0-1 ms).
+                std::this_thread::sleep_for(std::chrono::microseconds(((i + 3 * t) * 37 % 11) * 100));
+                int64_t sent = nowNs();
+                c->isend(&sent, sizeof sent, peer, my_send)->wait(patient);
+              }
+              r->wait(patient);
+              late[t].push_back(static_cast<double>(nowNs() - got) / 1e6);
+            }
+            if (c->rank() == 1) {  // the last pong
+              int64_t sent = nowNs();
+              c->isend(&sent, sizeof sent, peer, my_send)->wait(patient);
+            }
+          });
+        }
+        for (auto& th : pool) th.join();
+        stop.store(true);
+        extra.join();
+        std::vector<double> all;
+        for (auto& v : late) all.insert(all.end(), v.begin(), v.end());
+        const double lost_ms = std::min(2000.0, bound_ms * 0.4);
+        const int lost = report(name, c->rank(), all, lost_ms);
+        if (bound_ms >= 5000) {
+          EXPECT_EQ(lost, 0) << lost << " of " << all.size() << " waits took " << lost_ms
+                             << " ms or more (sleep bound " << bound_ms << " ms): wake-ups were lost";
+        }
+        c->barrier(patient);
+      },
+      opts);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, WakeLatency,
+                         ::testing::Values(Variant{0, Extra::kIdleWaiter}, Variant{1, Extra::kIdleWaiter},
+                                           Variant{0, Extra::kTestPoller}, Variant{1, Extra::kTestPoller},
+                                           Variant{1, Extra::kWorkerOutside}),
+                         [](const auto& info) { return nameOf(info.param); });
