@@ -1150,10 +1150,15 @@ std::shared_ptr<Communicator> FaultTolerantComm::shrink() {
 
   auto decide = [&]() -> std::string {
     // Collect views until every rank that no standing accusation excludes has posted
-    // one: a rank that is only slow (alive, heartbeating) is waited for up to the
-    // agreement window (2 x the detection bound), not left out because a rank the
-    // decision excludes anyway blamed it.
-    const Deadline views_deadline = Deadline::after(2 * detect_timeout_);
+    // one. A rank that is alive is waited for up to the operation deadline: it may be
+    // busy (a long training step, a starved process) and post at its next call, and
+    // leaving a healthy rank out costs the job that rank. One that dies or hangs
+    // meanwhile is accused by this rank's own detector (or setup watch) within the
+    // detection bound, and is no longer waited for.
+    // (Ends a detection bound before the others stop waiting for the decision.)
+    const Deadline views_deadline =
+        Deadline::after(std::max<Millis>(2 * detect_timeout_, operationDeadline().remaining() - detect_timeout_));
+    auto next_note = Clock::now() + detect_timeout_;
     std::map<int, std::vector<PeerFault>> views;
     std::set<int> left;
     Agreement agreed;
@@ -1169,13 +1174,22 @@ std::shared_ptr<Communicator> FaultTolerantComm::shrink() {
       }
       agreed = agree(n, me, views, left);
       if (agreed.waiting.empty() || views_deadline.expired()) break;
+      if (Clock::now() >= next_note) {
+        std::vector<std::string> hosts;
+        for (int r : agreed.waiting) hosts.push_back(members_[r].host);
+        CB_WARN("ft",
+                "rank {} (leader of epoch {}) still waits for {}: alive, but not in shrink() yet; left out at the "
+                "operation deadline (CROSSBAR_TIMEOUT), or as soon as found dead or hung",
+                me, epoch_ + 1, formatPeers(agreed.waiting, hosts));
+        next_note = Clock::now() + detect_timeout_;
+      }
       std::this_thread::sleep_for(Millis(5));
     }
     std::string text = fmt::format("shrink {}\n", epoch_ + 1);
     for (int r : agreed.members) text += memberLine(r, members_[r]);
     if (!agreed.waiting.empty())
-      CB_WARN("ft", "rank {} decides epoch {} without ranks {} (no view within {} ms)", me, epoch_ + 1,
-              fmt::join(agreed.waiting, ","), (2 * detect_timeout_).count());
+      CB_WARN("ft", "rank {} decides epoch {} without {} (alive, but not in shrink() before the operation deadline)",
+              me, epoch_ + 1, formatPeers(agreed.waiting));
     CB_INFO("ft", "rank {} decides epoch {}: {} of {} ranks stay", me, epoch_ + 1, agreed.members.size(), n);
     return toString(es->compareSet("decision", {}, toBytes(text)));
   };

@@ -460,6 +460,59 @@ TEST(FtHang, StoppedRankIsTimeoutNotDead) {
       hangRun());
 }
 
+// The agreement after a death waits for a survivor that is only slow to call shrink()
+// (alive: busy in a long step, or starved), well past twice the detection bound, and
+// keeps it; one that hangs (stopped) before it calls shrink() is accused by the
+// leader's detector and left out within the bound. Rank 3 is killed; rank 2 then
+// sleeps (`stop` false: 4 x the 1 s bound) or SIGSTOPs itself (`stop` true) before
+// shrink(). (Before: a view later than 2 x the bound left a healthy rank out.)
+void slowViewTrial(bool stop) {
+  SCOPED_TRACE(stop ? "rank 2 stops before shrink()" : "rank 2 is slow to call shrink()");
+  const int n = 4, first = 3, late = 2;
+  const Millis detect{1000};
+  auto options = ftRun(static_cast<int>(detect.count()), /*deaths=*/true);
+  auto results = runRanks(
+      n,
+      [&](RankEnv& env) {
+        env.store->set(fmt::format("test/pid/{}", env.rank), std::to_string(::getpid()));
+        auto ft = FaultTolerantComm::create(env.store, env.rank, n, ftOptions(env));
+        auto coll = std::make_unique<Collectives>(ft->comm());
+        for (int it = 0; it < 4; ++it) step(*coll, it, 51);
+        if (!loseRankInCollectives(*ft, coll, env.rank, first, 52)) return;
+        if (env.rank == late) {
+          if (stop) {
+            ::kill(::getpid(), SIGSTOP);  // rank 0 kills it once the others shrank
+            ADD_FAILURE() << "resumed";
+            return;
+          }
+          std::this_thread::sleep_for(4 * detect);
+        }
+        const int64_t t0 = monoNs();
+        ft->shrink();
+        if (stop) {  // left out within the bound (plus slack for a loaded machine)
+          EXPECT_LT(monoNs() - t0, (detect + kSlack).count() * 1'000'000LL);
+        }
+        EXPECT_EQ(ft->size(), stop ? n - 2 : n - 1);
+        EXPECT_EQ(ft->rank(), env.rank);
+        coll = std::make_unique<Collectives>(ft->comm());
+        for (int it = 0; it < 4; ++it) step(*coll, it, 53);
+        coll.reset();
+        ft->comm()->barrier();
+        if (stop && env.rank == 0)
+          ::kill(std::stoi(toString(env.store->get(fmt::format("test/pid/{}", late)))), SIGKILL);
+      },
+      options, /*expect_ok=*/false);
+  if (stop)
+    expectOutcome(results, {first, late});
+  else
+    expectOutcome(results, {first});
+}
+
+TEST(FtShrink, AgreementWaitsForSlowButNotForHungSurvivor) {
+  slowViewTrial(/*stop=*/false);
+  slowViewTrial(/*stop=*/true);
+}
+
 // Cut link between virtual nodes {0,1} and {2,3}: rank 1 aborts its UCX transport
 // (network namespaces need privileges this test cannot assume). Survivors report the
 // peers as unreachable -- alive, not dead, not hung -- agree on one side, continue.
