@@ -20,7 +20,7 @@
 // (a new poller takes over), so the variants that look for lost wake-ups leave it out.
 //
 // Knobs for measuring (not needed to run the test): CROSSBAR_TEST_WAKE_ROUNDS (rounds per
-// thread, default 150), CROSSBAR_TEST_WAKE_THREADS (ping-pong threads, default 2),
+// thread, default 300), CROSSBAR_TEST_WAKE_THREADS (ping-pong threads, default 2),
 // CROSSBAR_TEST_WAKE_BOUND_MS (sleep bound, default 5000; the library's default is 100).
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -109,7 +109,7 @@ class WakeLatency : public ::testing::TestWithParam<Variant> {};
 TEST_P(WakeLatency, SeveralWaitingThreadsWakeOnTheirMessages) {
   const Variant variant = GetParam();
   const std::string name = nameOf(variant);
-  const int rounds = envInt("CROSSBAR_TEST_WAKE_ROUNDS", 150);
+  const int rounds = envInt("CROSSBAR_TEST_WAKE_ROUNDS", 300);
   const int threads = envInt("CROSSBAR_TEST_WAKE_THREADS", 2);
   const int bound_ms = envInt("CROSSBAR_TEST_WAKE_BOUND_MS", 5000);
   auto opts = withRanksPerNode(variant.ranks_per_node);
