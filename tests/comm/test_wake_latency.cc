@@ -57,9 +57,12 @@ struct Variant {
 std::string nameOf(const Variant& v) {
   std::string t = v.ranks_per_node == 0 ? "shm" : "ucx";
   switch (v.extra) {
-    case Extra::kIdleWaiter: return t + "_idle_waiter";
-    case Extra::kTestPoller: return t + "_test_poller";
-    case Extra::kWorkerOutside: return t + "_worker_outside";
+    case Extra::kIdleWaiter:
+      return t + "_idle_waiter";
+    case Extra::kTestPoller:
+      return t + "_test_poller";
+    case Extra::kWorkerOutside:
+      return t + "_worker_outside";
   }
   return t;
 }
@@ -69,7 +72,9 @@ int envInt(const char* name, int fallback) {
   return v && *v ? std::atoi(v) : fallback;
 }
 
-int64_t nowNs() { return Clock::now().time_since_epoch().count(); }
+int64_t nowNs() {
+  return Clock::now().time_since_epoch().count();
+}
 
 // Prints the distribution of one rank's waits; returns how many took `lost_ms` or more.
 int report(const std::string& variant, int rank, std::vector<double> ms, double lost_ms) {
@@ -126,7 +131,8 @@ TEST_P(WakeLatency, SeveralWaitingThreadsWakeOnTheirMessages) {
         std::thread extra([&] {
           switch (variant.extra) {
             case Extra::kIdleWaiter:
-              while (!stop.load()) c->engine().waitUntil([&] { return stop.load(); }, Deadline::after(Millis(50)));
+              while (!stop.load())
+                c->engine().waitUntil([&] { return stop.load(); }, Deadline::after(Millis(50)));
               break;
             case Extra::kTestPoller: {
               int sink = 0;  // a receive nothing ever matches
