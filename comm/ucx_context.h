@@ -10,7 +10,10 @@
 // Configuration (ucp_config_modify on crossbar's context only, never setenv):
 // CROSSBAR_UCX_TLS overrides UCX_TLS; KEEPALIVE_INTERVAL=1s and
 // WARN_UNUSED_ENV_VARS=n unless the user set UCX_KEEPALIVE_INTERVAL /
-// UCX_WARN_UNUSED_ENV_VARS (then theirs wins).
+// UCX_WARN_UNUSED_ENV_VARS (then theirs wins); TCP sends in 64 KiB segments unless
+// UCX_TCP_TX_SEG_SIZE is set (given to ucp_config_modify as TX_SEG_SIZE: UCX 1.13
+// rejects the TCP_-prefixed name there); RESOLVE_REMOTE_EP_ID=on, RCACHE_ENABLE=n and
+// MEMTYPE_CACHE=n (ucx_context.cc says why).
 //
 // Observed with UCX 1.13 (Debian 12):
 // * UCP_ERR_HANDLING_MODE_PEER excludes posix/sysv shared memory (their
