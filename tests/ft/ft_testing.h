@@ -117,4 +117,17 @@ inline bool loseRankInCollectives(ft::FaultTolerantComm& ft, std::unique_ptr<Col
   return true;
 }
 
+// `e`, from an operation that failed because rank `victim` died: PeerFailure (or Aborted)
+// within `bound` of `since_ns`; handleError() must blame exactly that rank, as dead.
+inline void expectDeathBlamed(ft::FaultTolerantComm& ft, const Error& e, int victim, int64_t since_ns,
+                              Millis bound) {
+  EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kAborted) << e.what();
+  EXPECT_LT(monoNs() - since_ns, bound.count() * 1'000'000LL)
+      << "waited too long for rank " << victim << ": " << e.what();
+  auto faults = ft.handleError(e);
+  ASSERT_EQ(faults.size(), 1u) << e.what();
+  EXPECT_EQ(faults[0].rank, victim) << faults[0].describe();
+  EXPECT_EQ(faults[0].kind, ft::FailureKind::kDead) << faults[0].describe();
+}
+
 }  // namespace crossbar::testing

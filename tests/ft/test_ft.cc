@@ -769,13 +769,7 @@ void joinerDiesDuringSetup(const std::string& exit_step, int ranks_per_node) {
         } catch (const Error& e) {
           coll.reset();
           EXPECT_EQ(ft->epoch(), 2u) << e.what();
-          EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kAborted) << e.what();
-          EXPECT_LT(monoNs() - t0, (kDetect + kSlack).count() * 1'000'000LL)
-              << "waited too long for the joiner: " << e.what();
-          auto faults = ft->handleError(e);
-          ASSERT_EQ(faults.size(), 1u) << e.what();
-          EXPECT_EQ(faults[0].rank, 3) << faults[0].describe();
-          EXPECT_EQ(faults[0].kind, FailureKind::kDead) << faults[0].describe();
+          expectDeathBlamed(*ft, e, /*victim=*/3, t0, kDetect + kSlack);
         }
         ft->shrink();
         EXPECT_EQ(ft->epoch(), 3u);

@@ -148,13 +148,7 @@ TrialResult wireupTrial(KillAt mode, int delay_us, uint32_t seed) {
           } catch (const Error& e) {
             coll.reset();
             ASSERT_EQ(attempt, 0) << "unexpected second failure: " << e.what();
-            EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kAborted) << e.what();
-            EXPECT_LT(monoNs() - t0, (kDetect + kSlack).count() * 1'000'000LL)
-                << "waited too long for the member that died while epoch 1 was built: " << e.what();
-            auto faults = ft->handleError(e);
-            ASSERT_EQ(faults.size(), 1u) << e.what();
-            EXPECT_EQ(faults[0].rank, second) << faults[0].describe();
-            EXPECT_EQ(faults[0].kind, FailureKind::kDead) << faults[0].describe();
+            expectDeathBlamed(*ft, e, second, t0, kDetect + kSlack);
           }
         }
         done = true;
@@ -226,13 +220,7 @@ TrialResult joinerTrial(KillAt mode, int delay_us, uint32_t seed) {
           return;
         } catch (const Error& e) {
           coll.reset();
-          EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kAborted) << e.what();
-          EXPECT_LT(monoNs() - t0, (kDetect + kSlack).count() * 1'000'000LL)
-              << "waited too long for the joiner that died in epoch 2: " << e.what();
-          auto faults = ft->handleError(e);
-          ASSERT_EQ(faults.size(), 1u) << e.what();
-          EXPECT_EQ(faults[0].rank, 3) << faults[0].describe();
-          EXPECT_EQ(faults[0].kind, FailureKind::kDead) << faults[0].describe();
+          expectDeathBlamed(*ft, e, /*victim=*/3, t0, kDetect + kSlack);
         }
         ft->shrink();
         EXPECT_EQ(ft->epoch(), 3u);
