@@ -36,8 +36,11 @@ constexpr const char* kKeepaliveInterval = "1s";
 
 // Sets a UCX option for crossbar's context only, unless the user set it in the
 // environment themselves (then theirs wins, as ucp_config_read already read it).
-void setDefault(ucp_config_t* config, const char* name, const std::string& value) {
-  if (const char* user = std::getenv(fmt::format("UCX_{}", name).c_str()); user && *user) return;
+// `user_variable`: the user's name for it where that is not UCX_<name>.
+void setDefault(ucp_config_t* config, const char* name, const std::string& value,
+                const std::string& user_variable = {}) {
+  const std::string variable = user_variable.empty() ? fmt::format("UCX_{}", name) : user_variable;
+  if (const char* user = std::getenv(variable.c_str()); user && *user) return;
   ucs_status_t st = ucp_config_modify(config, name, value.c_str());
   if (st != UCS_OK) CB_WARN("ucx", "cannot set UCX option {}={}: {}", name, value, statusText(st));
 }
@@ -247,11 +250,8 @@ void Worker::init(int my_rank) {
   // to 2x faster, <= 8 KiB and >= 512 KiB unchanged within noise.
   // ucp_config_modify hands unknown names to each transport's table without its prefix
   // (1.13 rejected "TCP_TX_SEG_SIZE": "invalid configuration"), so the user's variable is
-  // checked here by its full name; no other transport has a TX_SEG_SIZE.
-  if (const char* user = std::getenv("UCX_TCP_TX_SEG_SIZE"); !user || !*user) {
-    st = ucp_config_modify(config, "TX_SEG_SIZE", "64K");
-    if (st != UCS_OK) CB_WARN("ucx", "cannot set UCX option TCP TX_SEG_SIZE=64K: {}", statusText(st));
-  }
+  // checked by its full name; no other transport has a TX_SEG_SIZE.
+  setDefault(config, "TX_SEG_SIZE", "64K", "UCX_TCP_TX_SEG_SIZE");
 
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
