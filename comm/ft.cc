@@ -550,8 +550,13 @@ void FailureDetector::tick(bool heartbeat) {
 
   const int n = static_cast<int>(members_.size());
   std::vector<PeerFault> found;
+  // Ranks this detector accused itself (or that left) need no more checks. One known only
+  // from another rank's revoke is still checked: should the agreement leave that reporter
+  // out (it hung or died too), its accusations no longer count, and this rank's own
+  // finding is what keeps a dead peer out of the next epoch.
   std::set<int> known;
-  for (const auto& f : faults()) known.insert(f.rank);
+  for (const auto& f : faults())
+    if (f.reporter == rank_) known.insert(f.rank);
   {
     std::lock_guard<std::mutex> lock(mu_);
     known.insert(left_.begin(), left_.end());
@@ -698,14 +703,18 @@ std::exception_ptr FailureDetector::errorFor(const std::vector<PeerFault>& fault
 }
 
 void FailureDetector::revoke(std::vector<PeerFault> faults, const std::string& why) {
-  std::vector<PeerFault> all, fresh;
+  std::vector<PeerFault> all, fresh, confirmed;
   bool first = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& f : faults) {
-      bool seen =
-          std::any_of(faults_.begin(), faults_.end(), [&](const PeerFault& g) { return g.rank == f.rank; });
-      if (!seen) fresh.push_back(f);
+      auto it = std::find_if(faults_.begin(), faults_.end(), [&](const PeerFault& g) { return g.rank == f.rank; });
+      if (it == faults_.end()) {
+        fresh.push_back(f);
+      } else if (f.reporter == rank_ && it->reporter != rank_) {
+        *it = f;  // an adopted accusation, now this rank's own (see tick())
+        confirmed.push_back(f);
+      }
     }
     merge(faults_, fresh);
     all = faults_;
@@ -713,9 +722,11 @@ void FailureDetector::revoke(std::vector<PeerFault> faults, const std::string& w
     bool store_lost =
         std::any_of(all.begin(), all.end(), [](auto& f) { return f.kind == FailureKind::kStoreLost; });
     // The store write happens on the detector thread, so revoke() never blocks on the store.
-    if ((first || !fresh.empty()) && !store_lost) pending_revoke_ = why + "\n" + serialize(all);
+    if ((first || !fresh.empty() || !confirmed.empty()) && !store_lost) pending_revoke_ = why + "\n" + serialize(all);
   }
   cv_.notify_all();
+  if (!confirmed.empty())
+    CB_INFO("ft", "rank {}: epoch {}: confirmed here: {}", rank_, epoch_, describeAll(confirmed));
   if (!first && fresh.empty()) return;
   std::string message = fmt::format(
       "{}communicator '{}' epoch {} revoked ({}): {}. Operations on it fail; call shrink() on the survivors "

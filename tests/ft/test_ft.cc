@@ -513,6 +513,68 @@ TEST(FtShrink, AgreementWaitsForSlowButNotForHungSurvivor) {
   slowViewTrial(/*stop=*/true);
 }
 
+// A leader must check for itself what a rank it leaves out reported. Rank 3 stops
+// (hangs); rank 2, with a short detection bound (400 ms against 3 s), accuses it first,
+// so ranks 0 and 1 know of rank 3 only through rank 2's revoke. Then rank 2 stops before
+// shrink(). The leader accuses rank 2 (hung) and so drops rank 2's accusations: its own
+// detector must have found rank 3 hung meanwhile, or it would wait for rank 3 as for a
+// live survivor until the operation deadline (the CI failure of session 11's build).
+TEST(FtShrink, LeaderConfirmsWhatARankItLeavesOutReported) {
+  const int n = 4, hung = 3, reporter = 2;
+  const Millis fast{400}, slow{3000};
+  auto options = ftRun(static_cast<int>(slow.count()));
+  options.env["CROSSBAR_TIMEOUT"] = "60s";
+  auto results = runRanks(
+      n,
+      [&](RankEnv& env) {
+        env.store->set(fmt::format("test/pid/{}", env.rank), std::to_string(::getpid()));
+        auto o = ftOptions(env);
+        o.detect_timeout = env.rank == reporter ? fast : slow;
+        auto ft = FaultTolerantComm::create(env.store, env.rank, n, o);
+        auto coll = std::make_unique<Collectives>(ft->comm());
+        for (int it = 0; it < 4; ++it) step(*coll, it, 61);
+        if (env.rank == hung) {
+          ::kill(::getpid(), SIGSTOP);  // rank 0 kills it at the end
+          ADD_FAILURE() << "resumed";
+          return;
+        }
+        std::vector<ft::PeerFault> faults;
+        try {
+          for (int it = 0; it < 1000; ++it) step(*coll, it, 62);
+          ADD_FAILURE() << "collectives went on without rank " << hung;
+          return;
+        } catch (const Error& e) {
+          faults = ft->handleError(e);
+        }
+        coll.reset();
+        ASSERT_EQ(faults.size(), 1u) << faults.size() << " faults, the first: " << faults.at(0).describe();
+        EXPECT_EQ(faults[0].rank, hung) << faults[0].describe();
+        EXPECT_EQ(faults[0].reporter, reporter) << "the case under test needs rank " << reporter
+                                                << " to find rank " << hung << " first: " << faults[0].describe();
+        if (env.rank == reporter) {
+          env.store->wait({"test/handled/0", "test/handled/1"}, Deadline::after(kSlack));
+          ::kill(::getpid(), SIGSTOP);
+          ADD_FAILURE() << "resumed";
+          return;
+        }
+        env.store->set(fmt::format("test/handled/{}", env.rank), "1");
+        const int64_t t0 = monoNs();
+        ft->shrink();
+        EXPECT_LT(monoNs() - t0, (slow + kSlack).count() * 1'000'000LL) << "the leader waited for a hung rank";
+        EXPECT_EQ(ft->size(), 2);
+        EXPECT_EQ(ft->rank(), env.rank);
+        coll = std::make_unique<Collectives>(ft->comm());
+        for (int it = 0; it < 4; ++it) step(*coll, it, 63);
+        coll.reset();
+        ft->comm()->barrier();
+        if (env.rank == 0)
+          for (int r : {hung, reporter})
+            ::kill(std::stoi(toString(env.store->get(fmt::format("test/pid/{}", r)))), SIGKILL);
+      },
+      options, /*expect_ok=*/false);
+  expectOutcome(results, {hung, reporter});
+}
+
 // Cut link between virtual nodes {0,1} and {2,3}: rank 1 aborts its UCX transport
 // (network namespaces need privileges this test cannot assume). Survivors report the
 // peers as unreachable -- alive, not dead, not hung -- agree on one side, continue.
