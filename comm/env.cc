@@ -15,6 +15,8 @@ const std::vector<Variable>& all() {
   static const std::vector<Variable> table = {
       {"CROSSBAR_DEBUG", Type::kEnum, "WARN", "Log level: WARN, INFO or TRACE.", {"warn", "info", "trace"}},
       {"CROSSBAR_DEBUG_FILE", Type::kString, "", "Write logs to this file instead of stderr (%h host, %p pid, %r rank)."},
+      {"CROSSBAR_DEBUG_TIMESTAMP_FORMAT", Type::kString, "[%F %T.%3f] ", "Wall-clock prefix of log lines (of the levels in CROSSBAR_DEBUG_TIMESTAMP_LEVELS): strftime format, plus %<N>f for the first N (1-9) digits of the second's fraction. As NCCL_DEBUG_TIMESTAMP_FORMAT."},
+      {"CROSSBAR_DEBUG_TIMESTAMP_LEVELS", Type::kString, "WARN", "Log levels whose lines carry the timestamp: a comma list of WARN, INFO, TRACE, or ALL, or NONE. As NCCL_DEBUG_TIMESTAMP_LEVELS."},
       {"CROSSBAR_TIMEOUT", Type::kMillis, "300s", "Default deadline of blocking operations (store waits, collectives, p2p)."},
       {"CROSSBAR_CONNECT_TIMEOUT", Type::kMillis, "60s", "Deadline for connecting to the store and building transports."},
       {"CROSSBAR_STORE_ADDR", Type::kString, "", "host:port of a running store (crossbar-store or rank 0's). Default MASTER_ADDR:MASTER_PORT."},
