@@ -963,11 +963,19 @@ HostCodecIsa hostCodecIsa() {
   return isa;
 }
 
+#if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
+// The AVX2 kernels serve the AVX-512 level too: it adds only its own row decode (an
+// AVX-512 encode was not faster on Zen 4; docs/moe.md).
+constexpr bool usesAvx2Kernels(HostCodecIsa isa) {
+  return isa == HostCodecIsa::kAvx2 || isa == HostCodecIsa::kAvx512;
+}
+#endif
+
 template <class T>
 void encodeRowHost(HostCodecIsa isa, PayloadCodec codec, const T* x, size_t hidden, uint8_t* payload,
                    void* scales, float global_scale) {
 #if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
-  if (isa == HostCodecIsa::kAvx2 || isa == HostCodecIsa::kAvx512) {
+  if (usesAvx2Kernels(isa)) {
     requireSupported(isa);
     return avx2::encodeRow(codec, x, hidden, payload, scales, global_scale);
   }
@@ -1008,7 +1016,7 @@ void decodeRowHost(PayloadCodec codec, const uint8_t* payload, const void* scale
 template <class T>
 BlockAmax tensorAmaxHost(HostCodecIsa isa, const T* x, size_t n) {
 #if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
-  if (isa == HostCodecIsa::kAvx2 || isa == HostCodecIsa::kAvx512) {
+  if (usesAvx2Kernels(isa)) {
     requireSupported(isa);
     return avx2::tensorAmax(x, n);
   }
@@ -1026,7 +1034,7 @@ template <class T>
 void scaleRowHost(HostCodecIsa isa, float* out, const T* y, float w, size_t n) {
   requireSupported(isa);
 #if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
-  if (isa == HostCodecIsa::kAvx2 || isa == HostCodecIsa::kAvx512) return avx2::scaleRow(out, y, w, n);
+  if (usesAvx2Kernels(isa)) return avx2::scaleRow(out, y, w, n);
 #endif
   scalar::scaleRow(out, y, w, n);
 }
@@ -1039,7 +1047,7 @@ template <class T>
 void addRowHost(HostCodecIsa isa, float* acc, const T* x, size_t n) {
   requireSupported(isa);
 #if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
-  if (isa == HostCodecIsa::kAvx2 || isa == HostCodecIsa::kAvx512) return avx2::addRow(acc, x, n);
+  if (usesAvx2Kernels(isa)) return avx2::addRow(acc, x, n);
 #endif
   scalar::addRow(acc, x, n);
 }
@@ -1051,7 +1059,7 @@ void addRowHost(float* acc, const T* x, size_t n) {
 void roundRowHost(HostCodecIsa isa, BFloat16* out, const float* x, size_t n) {
   requireSupported(isa);
 #if defined(CROSSBAR_HOST_CODEC_HAVE_AVX2)
-  if (isa == HostCodecIsa::kAvx2 || isa == HostCodecIsa::kAvx512) return avx2::roundRow(out, x, n);
+  if (usesAvx2Kernels(isa)) return avx2::roundRow(out, x, n);
 #endif
   scalar::roundRow(out, x, n);
 }
