@@ -1,15 +1,23 @@
 #include "comm/ucx_context.h"
 
+#include <arpa/inet.h>
 #include <fmt/format.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <fstream>
 #include <list>
 #include <random>
+#include <sstream>
 
 #include "comm/env.h"
 #include "comm/errors.h"
@@ -45,16 +53,105 @@ void setDefault(ucp_config_t* config, const char* name, const std::string& value
   if (st != UCS_OK) CB_WARN("ucx", "cannot set UCX option {}={}: {}", name, value, statusText(st));
 }
 
-// A context's address record: host, pid, the identity of its worker, the identities
-// of the workers it holds live endpoints to (kept workers), then the worker address.
-struct Record {
-  PeerInfo info;
-  std::string identity;
-  std::vector<std::string> live;
-  Bytes address;
+// The value of a UCX option in `config` (its user's setting or default); "" if unknown.
+std::string configValue(const ucp_config_t* config, const std::string& name) {
+  char* text = nullptr;
+  size_t length = 0;
+  FILE* f = open_memstream(&text, &length);
+  if (!f) return {};
+  ucp_config_print(config, f, nullptr, UCS_CONFIG_PRINT_CONFIG);
+  std::fclose(f);
+  std::istringstream lines(std::string(text, length));
+  std::free(text);
+  const std::string key = fmt::format("UCX_{}=", name);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind(key, 0) == 0) return line.substr(key.size());
+  return {};
+}
+
+struct HandshakeOp {
+  bool done = false;
+  ucs_status_t status = UCS_OK;
 };
 
-Bytes encodeRecord(const Record& r) {
+void handshakeSent(void*, ucs_status_t status, void* user_data) {
+  auto* op = static_cast<HandshakeOp*>(user_data);
+  op->done = true;
+  op->status = status;
+}
+
+void handshakeReceived(void*, ucs_status_t status, const ucp_tag_recv_info_t*, void* user_data) {
+  handshakeSent(nullptr, status, user_data);
+}
+
+// The first IPv4 address of interface `name` ("" if it has none).
+std::string ipv4Of(const std::string& name) {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return {};
+  std::string found;
+  for (ifaddrs* i = list; i && found.empty(); i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || name != i->ifa_name) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    if (inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof(text)))
+      found = text;
+  }
+  freeifaddrs(list);
+  return found;
+}
+
+// "eth0 192.0.2.2, lo 127.0.0.1": for messages.
+std::string ipv4Interfaces() {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return "none found";
+  std::string out;
+  for (ifaddrs* i = list; i; i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof(text));
+    out += fmt::format("{}{} {}", out.empty() ? "" : ", ", i->ifa_name, text);
+  }
+  freeifaddrs(list);
+  return out.empty() ? "none found" : out;
+}
+
+bool isIpv4(const std::string& text) {
+  in_addr a{};
+  return inet_pton(AF_INET, text.c_str(), &a) == 1;
+}
+
+// The interface of the IPv4 default route ("" if none): /proc/net/route.
+std::string defaultRouteInterface() {
+  std::ifstream route("/proc/net/route");
+  std::string line;
+  std::getline(route, line);  // header
+  while (std::getline(route, line)) {
+    std::istringstream fields(line);
+    std::string iface, destination, gateway;
+    unsigned flags = 0;
+    if (!(fields >> iface >> destination >> gateway >> std::hex >> flags)) continue;
+    if (destination == "00000000" && (flags & 1u) /* RTF_UP */) return iface;
+  }
+  return {};
+}
+
+// "a.b.c.d:port" -> sockaddr_in; false if malformed.
+bool parseListen(const std::string& listen, sockaddr_in* out) {
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos) return false;
+  *out = sockaddr_in{};
+  out->sin_family = AF_INET;
+  const std::string ip = listen.substr(0, colon);
+  const int port = std::atoi(listen.c_str() + colon + 1);
+  if (port <= 0 || port > 65535 || inet_pton(AF_INET, ip.c_str(), &out->sin_addr) != 1) return false;
+  out->sin_port = htons(static_cast<uint16_t>(port));
+  return true;
+}
+
+}  // namespace
+
+namespace detail {
+
+std::vector<uint8_t> encodeRecord(const Record& r) {
   Bytes out;
   auto put32 = [&](uint32_t v) {
     for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
@@ -68,15 +165,20 @@ Bytes encodeRecord(const Record& r) {
   putStr(r.identity);
   put32(static_cast<uint32_t>(r.live.size()));
   for (const auto& id : r.live) putStr(id);
+  putStr(r.listen);
+  put32(static_cast<uint32_t>(r.client_id));
+  put32(static_cast<uint32_t>(r.client_id >> 32));
   out.insert(out.end(), r.address.begin(), r.address.end());
   return out;
 }
 
-Record decodeRecord(const Bytes& in, int rank, int peer) {
+Record decodeRecord(const std::vector<uint8_t>& in, int rank, int peer) {
   size_t at = 0;
   auto bad = [&] {
-    return InternalError(fmt::format("{}malformed UCX address record from rank {} ({} bytes)",
-                                     errorContext(rank, "ucx connect"), peer, in.size()));
+    return InternalError(
+        fmt::format("{}malformed UCX address record from rank {} ({} bytes). Every rank must "
+                    "run the same crossbar build",
+                    errorContext(rank, "ucx connect"), peer, in.size()));
   };
   auto get32 = [&] {
     if (in.size() < at + 4) throw bad();
@@ -99,26 +201,73 @@ Record decodeRecord(const Bytes& in, int rank, int peer) {
   uint32_t live = get32();
   if (live > in.size()) throw bad();
   for (uint32_t i = 0; i < live; ++i) r.live.push_back(getStr());
+  r.listen = getStr();
+  sockaddr_in check{};
+  if (!r.listen.empty() && !parseListen(r.listen, &check)) throw bad();
+  r.client_id = get32();
+  r.client_id |= uint64_t{get32()} << 32;
   r.address.assign(in.begin() + at, in.end());
   return r;
 }
 
-struct HandshakeOp {
-  bool done = false;
-  ucs_status_t status = UCS_OK;
-};
-
-void handshakeSent(void*, ucs_status_t status, void* user_data) {
-  auto* op = static_cast<HandshakeOp*>(user_data);
-  op->done = true;
-  op->status = status;
+bool clientServer(const Record& a, const Record& b) {
+  return !a.listen.empty() && !b.listen.empty();
 }
 
-void handshakeReceived(void*, ucs_status_t status, const ucp_tag_recv_info_t*, void* user_data) {
-  handshakeSent(nullptr, status, user_data);
+bool wantListener(bool kept) {
+  const std::string mode = env::getEnum("CROSSBAR_UCX_CONNECT");
+  if (mode == "listener") return true;
+  if (mode == "address") return false;
+  return kept;
 }
 
-}  // namespace
+std::string listenAddress(int rank, std::string* source) {
+  auto found = [&](std::string ip, std::string why) {
+    if (source) *source = std::move(why);
+    return ip;
+  };
+  if (env::isSet("CROSSBAR_UCX_LISTEN_ADDR")) {
+    const std::string value = env::getString("CROSSBAR_UCX_LISTEN_ADDR");
+    if (isIpv4(value)) return found(value, "CROSSBAR_UCX_LISTEN_ADDR");
+    if (std::string ip = ipv4Of(value); !ip.empty())
+      return found(ip, fmt::format("CROSSBAR_UCX_LISTEN_ADDR interface {}", value));
+    throw InvalidArgument(
+        fmt::format("{}CROSSBAR_UCX_LISTEN_ADDR={} is neither an IPv4 address nor an interface "
+                    "with one (IPv4 interfaces here: {})",
+                    errorContext(rank, "ucx listen"), value, ipv4Interfaces()));
+  }
+  // The devices UCX may use: its listener should be on one of them (network namespaces,
+  // multi-rail hosts). "mlx5_0:1" names a port; IB devices have no IPv4 and are skipped.
+  if (const char* devices = std::getenv("UCX_NET_DEVICES"); devices && *devices) {
+    std::istringstream list(devices);
+    std::string device;
+    while (std::getline(list, device, ',')) {
+      device = device.substr(0, device.find(':'));
+      if (device.empty() || device == "all") continue;
+      if (std::string ip = ipv4Of(device); !ip.empty())
+        return found(ip, fmt::format("UCX_NET_DEVICES device {}", device));
+    }
+  }
+  if (std::string iface = defaultRouteInterface(); !iface.empty())
+    if (std::string ip = ipv4Of(iface); !ip.empty())
+      return found(ip, fmt::format("default route via {}", iface));
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  addrinfo* list = nullptr;
+  if (getaddrinfo(hostName().c_str(), nullptr, &hints, &list) == 0) {
+    std::string ip;
+    for (addrinfo* a = list; a && ip.empty(); a = a->ai_next) {
+      char text[INET_ADDRSTRLEN] = {};
+      inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr, text, sizeof(text));
+      if (std::string_view(text).substr(0, 4) != "127.") ip = text;
+    }
+    freeaddrinfo(list);
+    if (!ip.empty()) return found(ip, fmt::format("host name {}", hostName()));
+  }
+  return found("127.0.0.1", "loopback: no other IPv4 address found");
+}
+
+}  // namespace detail
 
 std::string statusText(ucs_status_t status) {
   // ucs_status_string gives the prose; the enum name is what people search for.
@@ -191,6 +340,18 @@ struct Worker {
   std::string tls;
   std::list<Endpoint> eps;
   std::vector<void*> close_requests;  // outstanding ucp_ep_close_nbx requests
+  // Client-server connections (see "Connecting" in ucx_context.h).
+  uint64_t client_id = 0;  // sent when this worker connects as client: its identity's nonce
+  ucp_listener_h listener = nullptr;
+  std::string listen;         // "ip:port" of the listener
+  bool listen_tried = false;  // a listener that failed is not tried again
+  std::string no_listener;    // why this worker cannot listen ("": it may try)
+  struct ConnRequest {
+    ucp_conn_request_h request;
+    uint64_t client_id;
+    std::string from;  // the client's ip:port, for messages
+  };
+  std::vector<ConnRequest> conn_requests;  // arrived in progress(), not yet accepted
 
   ~Worker() {
     std::lock_guard<std::recursive_mutex> lock(mutex);
@@ -202,12 +363,19 @@ struct Worker {
   bool arm();
   void closeEndpoint(Endpoint& e, bool force);
   void closeAllBounded();
+  bool startListener();
+  static void onConnRequest(ucp_conn_request_h request, void* arg);
+  // Takes the newest request carrying `id` off the queue, rejecting older ones with it.
+  ucp_conn_request_h takeConnRequest(uint64_t id);
+  bool hasConnRequest(uint64_t id) const;
+  void rejectConnRequests(std::string_view why);
 };
 
 void Worker::init(int my_rank) {
   rank = my_rank;
   std::random_device rd;
-  identity = fmt::format("{}:{}:{:x}", hostName(), getpid(), (uint64_t{rd()} << 32) | rd());
+  client_id = (uint64_t{rd()} << 32) | rd();
+  identity = fmt::format("{}:{}:{:x}", hostName(), getpid(), client_id);
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) throwUcx(rank, "ucx setup: ucp_config_read", st);
@@ -252,6 +420,16 @@ void Worker::init(int my_rank) {
   // (1.13 rejected "TCP_TX_SEG_SIZE": "invalid configuration"), so the user's variable is
   // checked by its full name; no other transport has a TX_SEG_SIZE.
   setDefault(config, "TX_SEG_SIZE", "64K", "UCX_TCP_TX_SEG_SIZE");
+  // UCX 1.13 aborts inside ucp_listener_create (ucp_listener.c:253, "status != UCS_OK")
+  // when no connection manager is enabled instead of failing. Without rdma devices only
+  // the tcp one opens, so a listener is tried only where the list has tcp.
+  if (std::string cms = configValue(config, "SOCKADDR_TLS_PRIORITY"); !cms.empty()) {
+    std::istringstream list(cms);
+    bool tcp = false;
+    for (std::string name; std::getline(list, name, ',');) tcp = tcp || name == "tcp";
+    if (!tcp)
+      no_listener = fmt::format("UCX_SOCKADDR_TLS_PRIORITY={} enables no tcp connection manager", cms);
+  }
 
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME;
@@ -266,8 +444,9 @@ void Worker::init(int my_rank) {
              st);
 
   ucp_worker_params_t wparams{};
-  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_CLIENT_ID;
   wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // mutex serializes every caller
+  wparams.client_id = client_id;
   st = ucp_worker_create(context, &wparams, &worker);
   if (st != UCS_OK) {
     teardown();
@@ -282,6 +461,12 @@ void Worker::init(int my_rank) {
 
 void Worker::teardown() {
   if (worker) {
+    if (listener) {
+      rejectConnRequests("the worker is closing");
+      ucp_listener_destroy(listener);  // before the worker, as UCX requires
+      listener = nullptr;
+      listen.clear();
+    }
     closeAllBounded();
     ucp_worker_destroy(worker);
     worker = nullptr;
@@ -318,7 +503,10 @@ bool Worker::arm() {
 }
 
 void Worker::closeEndpoint(Endpoint& e, bool force) {
-  if (!e.ep) return;
+  if (!e.ep) {
+    e.closed = true;  // one still waiting for its client's request: never accepted now
+    return;
+  }
   // UCX: an rkey must go before the endpoint it was unpacked on (see unpackRkey).
   for (auto& [ctx, rkey] : e.rkeys) ucp_rkey_destroy(rkey);
   e.rkeys.clear();
@@ -352,6 +540,102 @@ void Worker::closeAllBounded() {
     for (void* req : close_requests) ucp_request_free(req);
     close_requests.clear();
   }
+}
+
+bool Worker::startListener() {
+  if (listener) return true;
+  if (listen_tried) return false;
+  if (!no_listener.empty()) {
+    listen_tried = true;
+    CB_INFO("ucx", "not listening for UCX connections: {}; new endpoints are wired up by worker address",
+            no_listener);
+    return false;
+  }
+  std::string source;
+  const std::string ip = listenAddress(rank, &source);  // throws on a bad CROSSBAR_UCX_LISTEN_ADDR
+  listen_tried = true;
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  inet_pton(AF_INET, ip.c_str(), &sa.sin_addr);
+  sa.sin_port = 0;  // any free port; published in the record
+  ucp_listener_params_t lp{};
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
+  lp.sockaddr.addrlen = sizeof(sa);
+  lp.conn_handler.cb = &Worker::onConnRequest;
+  lp.conn_handler.arg = this;
+  ucs_status_t st = ucp_listener_create(worker, &lp, &listener);
+  ucp_listener_attr_t attr{};
+  attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+  if (st == UCS_OK) {
+    st = ucp_listener_query(listener, &attr);
+    if (st != UCS_OK) {
+      ucp_listener_destroy(listener);
+      listener = nullptr;
+    }
+  }
+  if (st != UCS_OK) {
+    listener = nullptr;
+    CB_INFO(
+        "ucx",
+        "cannot listen on {} ({}): {}; this worker's new endpoints are wired up by worker address instead of "
+        "client-server (set CROSSBAR_UCX_LISTEN_ADDR to an address UCX's tcp connection manager can use, "
+        "or CROSSBAR_UCX_CONNECT=address to silence this)",
+        ip, source, statusText(st));
+    return false;
+  }
+  listen = fmt::format("{}:{}", ip, ntohs(reinterpret_cast<const sockaddr_in*>(&attr.sockaddr)->sin_port));
+  CB_INFO("ucx", "listening for UCX connections on {} ({})", listen, source);
+  return true;
+}
+
+void Worker::onConnRequest(ucp_conn_request_h request, void* arg) {
+  // Inside ucp_worker_progress (mutex held): queue it; a context matches it by client id.
+  auto* w = static_cast<Worker*>(arg);
+  ucp_conn_request_attr_t attr{};
+  attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ID | UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+  ConnRequest cr{request, 0, "?"};
+  if (ucp_conn_request_query(request, &attr) == UCS_OK) {
+    cr.client_id = attr.client_id;
+    if (attr.client_address.ss_family == AF_INET) {
+      const auto* in = reinterpret_cast<const sockaddr_in*>(&attr.client_address);
+      char text[INET_ADDRSTRLEN] = {};
+      inet_ntop(AF_INET, &in->sin_addr, text, sizeof(text));
+      cr.from = fmt::format("{}:{}", text, ntohs(in->sin_port));
+    }
+  }
+  CB_TRACE("ucx", "connection request from {} (client id {:x})", cr.from, cr.client_id);
+  w->conn_requests.push_back(cr);
+}
+
+ucp_conn_request_h Worker::takeConnRequest(uint64_t id) {
+  ucp_conn_request_h newest = nullptr;
+  for (auto it = conn_requests.rbegin(); it != conn_requests.rend(); ++it) {
+    if (it->client_id != id) continue;
+    if (!newest) {
+      newest = it->request;
+      continue;
+    }
+    // The same client connected before: an attempt of an earlier context's setup.
+    CB_INFO("ucx", "rejecting an older connection request from {} (client id {:x})", it->from, id);
+    ucp_listener_reject(listener, it->request);
+  }
+  std::erase_if(conn_requests, [id](const ConnRequest& cr) { return cr.client_id == id; });
+  return newest;
+}
+
+bool Worker::hasConnRequest(uint64_t id) const {
+  return std::any_of(conn_requests.begin(), conn_requests.end(),
+                     [id](const ConnRequest& cr) { return cr.client_id == id; });
+}
+
+void Worker::rejectConnRequests(std::string_view why) {
+  std::lock_guard<std::recursive_mutex> lock(mutex);
+  for (const ConnRequest& cr : conn_requests) {
+    CB_INFO("ucx", "rejecting a connection request from {} (client id {:x}): {}", cr.from, cr.client_id, why);
+    ucp_listener_reject(listener, cr.request);
+  }
+  conn_requests.clear();
 }
 
 }  // namespace detail
@@ -425,7 +709,11 @@ UcxContext::UcxContext(const TransportSetup& setup, const std::string& prefix)
     }
     connect(setup, prefix);
     handshake(setup.deadline);
+    // Connection requests nobody claimed are no client of this setup's (those all
+    // connected): a stale attempt, or a stranger.
+    if (w_->listener) w_->rejectConnRequests("no peer of this context connects with that id");
   } catch (...) {
+    if (w_->listener) w_->rejectConnRequests("this context's setup failed");
     detach(/*failed=*/true);
     throw;
   }
@@ -444,8 +732,12 @@ UcxContext::UcxContext(const TransportSetup& setup, const std::string& prefix)
       }
     }
   }
-  CB_INFO("ucx", "connected to {} peers ({} endpoints kept from the previous epoch; TLS {}; wire ids {}+{})",
-          peers_.size(), reused_.size(), w_->tls.empty() ? "UCX default" : w_->tls, wire_base_, wire_block_);
+  CB_INFO(
+      "ucx",
+      "connected to {} peers ({} endpoints kept from the previous epoch, {} connected client-server; TLS {}; "
+      "wire ids {}+{})",
+      peers_.size(), reused_.size(), client_server_.size(), w_->tls.empty() ? "UCX default" : w_->tls,
+      wire_base_, wire_block_);
 }
 
 UcxContext::~UcxContext() {
@@ -521,8 +813,10 @@ std::string UcxContext::describePeer(int peer) const {
 }
 
 void UcxContext::connect(const TransportSetup& setup, const std::string& prefix) {
-  Record mine;
+  detail::Record mine;
   mine.info = infos_[rank_];
+  client_ids_.assign(size_, 0);
+  listens_.assign(size_, {});
   std::vector<detail::Endpoint*> published;  // endpoints this record offers to keep
   {
     std::lock_guard<std::recursive_mutex> lock(w_->mutex);
@@ -543,6 +837,13 @@ void UcxContext::connect(const TransportSetup& setup, const std::string& prefix)
         mine.live.push_back(e.identity);
       }
     }
+    if (detail::wantListener(kept_) && !peers_.empty() && w_->startListener()) {
+      mine.listen = w_->listen;
+      // Requests that came before this record exist were meant for an earlier context.
+      w_->progress();
+      w_->rejectConnRequests("it came before this context published its listener");
+    }
+    mine.client_id = w_->client_id;
   }
   struct Unpin {
     detail::Worker& w;
@@ -569,9 +870,9 @@ void UcxContext::connect(const TransportSetup& setup, const std::string& prefix)
                   missing);
   }
 
-  std::vector<Record> records;
+  std::vector<detail::Record> records;
   for (size_t i = 0; i < peers_.size(); ++i)
-    records.push_back(decodeRecord(setup.store->get(keys[i], setup.deadline), rank_, peers_[i]));
+    records.push_back(detail::decodeRecord(setup.store->get(keys[i], setup.deadline), rank_, peers_[i]));
 
   std::lock_guard<std::recursive_mutex> lock(w_->mutex);
   auto claim = [&](detail::Endpoint* e, int p) {
@@ -582,7 +883,7 @@ void UcxContext::connect(const TransportSetup& setup, const std::string& prefix)
   };
   for (size_t i = 0; i < peers_.size(); ++i) {
     const int p = peers_[i];
-    const Record& r = records[i];
+    const detail::Record& r = records[i];
     infos_[p] = r.info;
     // Kept only when both sides offered it (both decide from the same two records):
     // otherwise both make a new one, and the side that still had one closes it.
@@ -601,22 +902,14 @@ void UcxContext::connect(const TransportSetup& setup, const std::string& prefix)
     e.identity = r.identity;
     claim(&e, p);
     fresh_.push_back(p);
-    ucp_ep_params_t ep_params{};
-    ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                           UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep_params.address = reinterpret_cast<const ucp_address_t*>(r.address.data());
-    ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep_params.err_handler.cb = &UcxContext::onEndpointError;
-    ep_params.err_handler.arg = &e;
-    ucs_status_t st = ucp_ep_create(w_->worker, &ep_params, &e.ep);
-    if (st != UCS_OK) {
-      e.ep = nullptr;
-      e.closed = true;
-      throw UcxError(fmt::format("{}cannot create a UCX endpoint to {}: {}. Check that the hosts can reach "
-                                 "each other over the transports in UCX_TLS / CROSSBAR_UCX_TLS",
-                                 errorContext(rank_, "ucx setup"), describePeer(p), statusText(st)),
-                     {p});
+    const bool client_server = detail::clientServer(mine, r);
+    if (client_server) {
+      client_server_.push_back(p);
+      client_ids_[p] = r.client_id;
+      listens_[p] = r.listen;
+      if (rank_ > p) continue;  // p connects to our listener; handshake() accepts it
     }
+    createEndpoint(e, p, r, client_server);
   }
   if (kept_) {
     // Endpoints to processes not in this epoch (excluded, dead) that no context uses
@@ -628,11 +921,69 @@ void UcxContext::connect(const TransportSetup& setup, const std::string& prefix)
   }
 }
 
+// The lower rank of a client-server pair (or either side of an address pair) makes its
+// endpoint to `peer` here.
+void UcxContext::createEndpoint(detail::Endpoint& e, int peer, const detail::Record& r, bool client_server) {
+  ucp_ep_params_t ep_params{};
+  ep_params.field_mask = UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep_params.err_handler.cb = &UcxContext::onEndpointError;
+  ep_params.err_handler.arg = &e;
+  sockaddr_in sa{};
+  if (client_server) {
+    parseListen(r.listen, &sa);  // checked by decodeRecord
+    ep_params.field_mask |= UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_FLAGS;
+    ep_params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER | UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID;
+    ep_params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
+    ep_params.sockaddr.addrlen = sizeof(sa);
+  } else {
+    ep_params.field_mask |= UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+    ep_params.address = reinterpret_cast<const ucp_address_t*>(r.address.data());
+  }
+  ucs_status_t st = ucp_ep_create(w_->worker, &ep_params, &e.ep);
+  if (st != UCS_OK) {
+    e.ep = nullptr;
+    e.closed = true;
+    throw UcxError(fmt::format("{}cannot create a UCX endpoint to {}{}: {}. Check that the hosts can reach "
+                               "each other over the transports in UCX_TLS / CROSSBAR_UCX_TLS{}",
+                               errorContext(rank_, "ucx setup"), describePeer(peer),
+                               client_server ? fmt::format(" (its listener {})", r.listen) : "",
+                               statusText(st), client_server ? " (or set CROSSBAR_UCX_CONNECT=address)" : ""),
+                   {peer});
+  }
+}
+
+// The higher rank of a client-server pair: accepts `peer`'s connection request, if it
+// came. True when the endpoint was made.
+bool UcxContext::accept(int peer) {
+  ucp_conn_request_h request = w_->takeConnRequest(client_ids_[peer]);
+  if (!request) return false;
+  detail::Endpoint& e = *slots_[peer];
+  ucp_ep_params_t ep_params{};
+  ep_params.field_mask =
+      UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep_params.conn_request = request;
+  ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep_params.err_handler.cb = &UcxContext::onEndpointError;
+  ep_params.err_handler.arg = &e;
+  ucs_status_t st = ucp_ep_create(w_->worker, &ep_params, &e.ep);
+  if (st != UCS_OK) {
+    e.ep = nullptr;
+    e.closed = true;
+    throw PeerFailure(fmt::format("{}cannot accept the UCX connection of {}: {}. The peer may have exited",
+                                  errorContext(rank_, "ucx setup"), describePeer(peer), statusText(st)),
+                      {peer});
+  }
+  return true;
+}
+
 void UcxContext::handshake(Deadline deadline) {
   // 0-byte message each way with every peer wired up now: proves both directions work
   // before setup returns, and finishes UCX's wireup while every peer is progressing.
   // Kept endpoints need none (no wireup; messages of this epoch carry new wire ids).
-  std::vector<HandshakeOp> ops(2 * fresh_.size());
+  // The server of a client-server pair sends once it accepted its client's request.
+  std::deque<HandshakeOp> ops;  // stable addresses: requests point at them until release()
+  std::vector<HandshakeOp*> recv_op(fresh_.size()), send_op(fresh_.size(), nullptr);
   std::vector<void*> requests;
   std::unique_lock<std::recursive_mutex> lock(w_->mutex);  // not held while sleeping
   auto release = [&] {
@@ -644,33 +995,42 @@ void UcxContext::handshake(Deadline deadline) {
     requests.clear();
   };
   auto failed = [&](int p, ucs_status_t st) {
-    return PeerFailure(fmt::format("{}connecting to {} failed: {}. The peer may have exited or be "
-                                   "unreachable over UCX_TLS / CROSSBAR_UCX_TLS",
-                                   errorContext(rank_, "ucx setup"), describePeer(p), statusText(st)),
-                       {p});
+    const bool client = !listens_[p].empty() && rank_ < p;
+    return PeerFailure(
+        fmt::format("{}connecting to {}{} failed: {}. The peer may have exited or be "
+                    "unreachable over UCX_TLS / CROSSBAR_UCX_TLS{}",
+                    errorContext(rank_, "ucx setup"), describePeer(p),
+                    client ? fmt::format(" (its listener {})", listens_[p]) : "", statusText(st),
+                    client ? "; if that address is not reachable from here, set "
+                             "CROSSBAR_UCX_LISTEN_ADDR on that rank (or CROSSBAR_UCX_CONNECT=address)"
+                           : ""),
+        {p});
+  };
+  auto post = [&](size_t i, bool send) {
+    const int p = fresh_[i];
+    HandshakeOp* op = &ops.emplace_back();
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.user_data = op;
+    void* r = nullptr;
+    if (send) {
+      rp.cb.send = handshakeSent;
+      r = ucp_tag_send_nbx(slots_[p]->ep, nullptr, 0, kHandshakeTagBit | wireTag(rank_), &rp);
+      send_op[i] = op;
+    } else {
+      rp.cb.recv = handshakeReceived;
+      r = ucp_tag_recv_nbx(w_->worker, nullptr, 0, kHandshakeTagBit | wireTag(p), ~uint64_t{0}, &rp);
+      recv_op[i] = op;
+    }
+    if (UCS_PTR_IS_PTR(r))
+      requests.push_back(r);
+    else
+      *op = HandshakeOp{true, UCS_PTR_STATUS(r)};
   };
   try {
     for (size_t i = 0; i < fresh_.size(); ++i) {
-      int p = fresh_[i];
-      ucp_request_param_t rp{};
-      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      rp.cb.recv = handshakeReceived;
-      rp.user_data = &ops[2 * i];
-      void* r = ucp_tag_recv_nbx(w_->worker, nullptr, 0, kHandshakeTagBit | wireTag(p), ~uint64_t{0}, &rp);
-      if (UCS_PTR_IS_PTR(r))
-        requests.push_back(r);
-      else
-        ops[2 * i] = HandshakeOp{true, UCS_PTR_STATUS(r)};
-
-      ucp_request_param_t sp{};
-      sp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      sp.cb.send = handshakeSent;
-      sp.user_data = &ops[2 * i + 1];
-      void* s = ucp_tag_send_nbx(slots_[p]->ep, nullptr, 0, kHandshakeTagBit | wireTag(rank_), &sp);
-      if (UCS_PTR_IS_PTR(s))
-        requests.push_back(s);
-      else
-        ops[2 * i + 1] = HandshakeOp{true, UCS_PTR_STATUS(s)};
+      post(i, /*send=*/false);
+      if (slots_[fresh_[i]]->ep) post(i, /*send=*/true);
     }
     while (true) {
       // A kept endpoint whose peer failed since the previous epoch (or now).
@@ -679,12 +1039,34 @@ void UcxContext::handshake(Deadline deadline) {
           throw failed(p, slots_[p]->status != UCS_OK ? slots_[p]->status : UCS_ERR_CONNECTION_RESET);
       std::vector<int> pending;
       for (size_t i = 0; i < fresh_.size(); ++i) {
-        int p = fresh_[i];
-        bool both = ops[2 * i].done && ops[2 * i + 1].done;
+        const int p = fresh_[i];
+        detail::Endpoint* e = slots_[p];
+        if (!send_op[i]) {  // the server, waiting for p's connection request
+          if (e->closed) throw failed(p, UCS_ERR_CANCELED);
+          if (accept(p)) post(i, /*send=*/true);
+        } else if (e->status != UCS_OK && !listens_[p].empty() && rank_ > p && !recv_op[i]->done &&
+                   w_->hasConnRequest(client_ids_[p])) {
+          // The accepted request was a stale one of p's (an earlier setup's attempt that
+          // arrived late) and its current one is here: take that instead.
+          CB_INFO("ucx", "the connection accepted from {} failed ({}) and a newer one came: using that",
+                  describePeer(p), statusText(e->status));
+          w_->closeEndpoint(*e, true);
+          --e->users;
+          if (e->owner == this) e->owner = nullptr;
+          detail::Endpoint& renewed = w_->eps.emplace_back();
+          renewed.worker = w_.get();
+          renewed.identity = e->identity;
+          renewed.owner = this;
+          renewed.rank = p;
+          renewed.users = 1;
+          slots_[p] = e = &renewed;
+          if (accept(p)) post(i, /*send=*/true);
+        }
+        const bool both = recv_op[i]->done && send_op[i] && send_op[i]->done;
         // A peer that finished its side may already have closed: that is no failure.
-        ucs_status_t bad = both ? UCS_OK : slots_[p]->status;
-        for (int k = 0; k < 2; ++k)
-          if (ops[2 * i + k].done && ops[2 * i + k].status != UCS_OK) bad = ops[2 * i + k].status;
+        ucs_status_t bad = both ? UCS_OK : e->status;
+        for (HandshakeOp* op : {recv_op[i], send_op[i]})
+          if (op && op->done && op->status != UCS_OK) bad = op->status;
         if (bad != UCS_OK) throw failed(p, bad);
         if (!both) pending.push_back(p);
       }
@@ -695,12 +1077,20 @@ void UcxContext::handshake(Deadline deadline) {
       if (w_->progress()) continue;
       if (deadline.expired()) {
         std::vector<std::string> hosts;
-        for (int p : pending) hosts.push_back(infos_[p].host);
-        throw Timeout(fmt::format("{}no UCX handshake from {} before the setup deadline. Those ranks "
-                                  "published an address but did not connect back: they may be hung, or "
-                                  "the network between the hosts may block UCX (check UCX_TLS)",
-                                  errorContext(rank_, "ucx setup"), formatPeers(pending, hosts)),
-                      pending);
+        std::vector<int> unconnected;  // servers' clients that never connected
+        for (int p : pending) {
+          hosts.push_back(infos_[p].host);
+          if (!slots_[p]->ep) unconnected.push_back(p);
+        }
+        throw Timeout(
+            fmt::format("{}no UCX handshake from {} before the setup deadline{}. Those ranks "
+                        "published an address but did not connect back: they may be hung, or "
+                        "the network between the hosts may block UCX (check UCX_TLS)",
+                        errorContext(rank_, "ucx setup"), formatPeers(pending, hosts),
+                        unconnected.empty() ? std::string()
+                                            : fmt::format(" ({} never connected to this rank's listener {})",
+                                                          formatPeers(unconnected), w_->listen)),
+            pending);
       }
       if (w_->arm()) {
         lock.unlock();

@@ -48,6 +48,22 @@
 // (joiners). Every epoch gets wire ids no earlier epoch on any member's worker used
 // (Context::create agrees on the base), so a late message of an old epoch, which sits
 // in the kept worker's unexpected queue, can never match a receive of a newer epoch.
+//
+// Connecting (CROSSBAR_UCX_CONNECT): a fresh endpoint is made either from the peer's
+// worker address (ucp_ep_create with REMOTE_ADDRESS; both sides create one and UCX
+// wires them up with a REQUEST/REPLY exchange over tcp) or client-server: the worker
+// listens (one ucp_listener per worker, made on first need, on listenAddress()), the
+// lower rank of the pair connects to the higher one's listener sending its worker's
+// client id, and the higher one accepts the connection request carrying the id its
+// peer published. With UCX 1.13 a peer SIGKILLed in the middle of an address wireup can
+// abort this process inside UCX (wireup_ep.c:241); in the client-server path the
+// server builds its lanes from the client's request and no wireup message waits on a
+// dying connection (docs/fault-tolerance.md, "Joiners killed in their wireup"). auto:
+// client-server on a kept fabric (fault tolerance; joiners get the highest ranks, so
+// members connect and joiners listen), worker addresses elsewhere. A pair connects
+// client-server only when both records carry a listener (a rank whose listener could
+// not be made falls back to addresses, with one INFO line); both sides decide from the
+// same two records.
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -114,6 +130,37 @@ struct PeerInfo {
   int pid = 0;
 };
 
+namespace detail {
+
+// A context's address record, published under "<prefix>/<rank>": host, pid, the
+// identity of its worker ("host:pid:nonce"), the identities of the workers it holds
+// live endpoints to (kept workers), its listener ("ip:port"; empty: worker-address
+// wireup only), the client id its worker sends when it connects client-server, and
+// its worker address.
+struct Record {
+  PeerInfo info;
+  std::string identity;
+  std::vector<std::string> live;
+  std::string listen;
+  uint64_t client_id = 0;
+  std::vector<uint8_t> address;
+};
+std::vector<uint8_t> encodeRecord(const Record& record);
+// Throws InternalError naming `rank` (the reader) and `peer` on a malformed record.
+Record decodeRecord(const std::vector<uint8_t>& bytes, int rank, int peer);
+// True when the pair connects client-server (the lower rank as client): both listen.
+bool clientServer(const Record& a, const Record& b);
+// Whether a context listens: CROSSBAR_UCX_CONNECT (auto: only on a kept fabric).
+bool wantListener(bool kept);
+// The IPv4 address a worker listens on and publishes, and why that one:
+// CROSSBAR_UCX_LISTEN_ADDR (an address or an interface name), else the first device of
+// UCX_NET_DEVICES that has one, else the interface of the default route, else the
+// address the host name resolves to, else 127.0.0.1. Throws InvalidArgument naming
+// `rank` when CROSSBAR_UCX_LISTEN_ADDR names nothing usable.
+std::string listenAddress(int rank, std::string* source = nullptr);
+
+}  // namespace detail
+
 class UcxContext {
  public:
   // Collective over setup.peers (each constructs its side) before setup.deadline:
@@ -143,6 +190,9 @@ class UcxContext {
   bool kept() const { return kept_; }
   // Peers whose endpoint this context reused from an earlier one (no wireup).
   const std::vector<int>& reusedPeers() const { return reused_; }
+  // Peers this context connected to client-server (the rest of the fresh ones: by
+  // worker address).
+  const std::vector<int>& clientServerPeers() const { return client_server_; }
 
   // UCP tag bits 48-62 of messages from `rank` (its wire id), and the tag/mask pair
   // that matches any of this context's ranks.
@@ -195,6 +245,8 @@ class UcxContext {
   static void onEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   void connect(const TransportSetup& setup, const std::string& prefix);
   void handshake(Deadline deadline);
+  void createEndpoint(detail::Endpoint& e, int peer, const detail::Record& r, bool client_server);
+  bool accept(int peer);
   void detach(bool failed);
   detail::Endpoint* slot(int peer) const;
 
@@ -207,6 +259,9 @@ class UcxContext {
   std::vector<detail::Endpoint*> slots_;  // by rank; null for non-peers; owned by w_
   std::vector<int> fresh_;                // peers wired up by this context
   std::vector<int> reused_;               // peers whose endpoint was kept
+  std::vector<int> client_server_;        // fresh peers connected client-server
+  std::vector<uint64_t> client_ids_;      // by rank: the id a client-server peer connects with
+  std::vector<std::string> listens_;      // by rank: its listener, for messages
   uint32_t wire_base_ = 0, wire_block_ = 1;
   std::vector<std::pair<int, ErrorListener>> listeners_;
   int next_listener_ = 0;

@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -188,7 +189,8 @@ TrialResult joinerTrial(KillAt mode, int delay_us, uint32_t seed) {
         if (env.rank == joiner) {
           std::atomic<bool> done{false};
           std::thread killer;
-          if (mode == KillAt::kDelay) killer = killAfterAddresses(env, /*epoch=*/2, /*members=*/n, delay_us, done);
+          if (mode == KillAt::kDelay)
+            killer = killAfterAddresses(env, /*epoch=*/2, /*members=*/n, delay_us, done);
           try {
             auto ft = FaultTolerantComm::join(env.store, ftOptions(env));
             EXPECT_EQ(ft->epoch(), 2u);
@@ -244,6 +246,9 @@ void runTrials(Trial trial, int trials, uint32_t seed) {
   int crashes = 0, crashed_trials = 0, hung_trials = 0, failed_trials = 0;
   unsigned major = 0, minor = 0, release = 0;
   ucp_get_version(&major, &minor, &release);
+  const char* connect = std::getenv("CROSSBAR_UCX_CONNECT");  // comm/ucx_context.h, "Connecting"
+  const std::string ucx =
+      fmt::format("UCX {}.{}.{}, connect {}", major, minor, release, connect && *connect ? connect : "auto");
   for (int t = 0; t < trials; ++t) {
     const KillAt mode = t % 2 == 0 ? KillAt::kHook : KillAt::kDelay;
     const int delay_us = static_cast<int>(rng() % 3000);
@@ -253,12 +258,12 @@ void runTrials(Trial trial, int trials, uint32_t seed) {
     crashed_trials += r.survivor_crashes > 0;
     hung_trials += r.survivor_hangs > 0;
     failed_trials += r.survivor_failures > 0;
-    fmt::print("wireup kill trial {} (UCX {}.{}.{}): {}\n", t, major, minor, release, r.summary);
+    fmt::print("wireup kill trial {} ({}): {}\n", t, ucx, r.summary);
   }
   fmt::print(
-      "wireup kill trials (UCX {}.{}.{}): {} trials, {} with a survivor crash ({} survivors), {} with a "
+      "wireup kill trials ({}): {} trials, {} with a survivor crash ({} survivors), {} with a "
       "hung survivor, {} with a survivor's failed check\n",
-      major, minor, release, trials, crashed_trials, crashes, hung_trials, failed_trials);
+      ucx, trials, crashed_trials, crashes, hung_trials, failed_trials);
   std::fflush(stdout);
 }
 
@@ -267,7 +272,6 @@ void runTrials(Trial trial, int trials, uint32_t seed) {
 TEST(FtUcxWireup, KillInWireup) {
   runTrials(wireupTrial, 10, 500);
 }
-
 
 // test_ft_ucx_wireup --gtest_also_run_disabled_tests --gtest_filter='*Stress*' [--gtest_repeat=N]
 TEST(FtUcxWireup, DISABLED_Stress) {
