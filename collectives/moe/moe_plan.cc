@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 
 #include "comm/errors.h"
+#include "comm/log.h"
 
 namespace crossbar::moe {
 namespace {
@@ -33,22 +35,49 @@ MoeTopology makeTopology(const Communicator& comm, const MoeConfig& cfg, const c
     throw InvalidArgument(ctx + "combine_wire must be float32 or bfloat16");
   t.epr = cfg.num_experts / t.R;
 
+  // Ranks of each physical node, nodes in order of their first rank.
   std::map<int, int> index_of_node;
-  t.node_of.resize(t.R);
+  std::vector<std::vector<int>> hosts;
   for (int r = 0; r < t.R; ++r) {
-    auto [it, added] = index_of_node.try_emplace(comm.nodeOf(r), static_cast<int>(t.node_ranks.size()));
-    if (added) t.node_ranks.emplace_back();
-    t.local_of.push_back(static_cast<int>(t.node_ranks[it->second].size()));
-    t.node_ranks[it->second].push_back(r);
-    t.node_of[r] = it->second;
+    auto [it, added] = index_of_node.try_emplace(comm.nodeOf(r), static_cast<int>(hosts.size()));
+    if (added) hosts.emplace_back();
+    hosts[it->second].push_back(r);
+  }
+  // The all-to-all pairs ranks of equal local index across nodes, so its nodes must be of
+  // one size. Nodes of different sizes (a shrunk fault-tolerant communicator, an uneven
+  // launch) are split into groups of the gcd of their sizes, each group a node here: still
+  // correct, but a token then crosses the network once per destination group, and groups
+  // of one physical node exchange through the communicator's shared-memory p2p.
+  size_t g = 0;
+  for (const auto& h : hosts) g = std::gcd(g, h.size());
+  if (std::any_of(hosts.begin(), hosts.end(), [&](const auto& h) { return h.size() != g; }) &&
+      hosts.size() > 1) {
+    t.uneven_nodes = true;
+    if (t.rank == 0) {
+      std::string sizes;
+      for (const auto& h : hosts) sizes += fmt::format("{}{}", sizes.empty() ? "" : ", ", h.size());
+      CB_WARN("moe",
+              "{}nodes of {} ranks: the two-level all-to-all runs over groups of {} (a token crosses "
+              "the network once per destination group, not once per node) until every node has as many "
+              "ranks as the others (e.g. after ft grow())",
+              ctx, sizes, g);
+    }
+    for (const auto& h : hosts)
+      for (size_t first = 0; first < h.size(); first += g)
+        t.node_ranks.emplace_back(h.begin() + static_cast<std::ptrdiff_t>(first),
+                                  h.begin() + static_cast<std::ptrdiff_t>(first + g));
+  } else {
+    t.node_ranks = std::move(hosts);
   }
   t.N = static_cast<int>(t.node_ranks.size());
   t.L = static_cast<int>(t.node_ranks[0].size());
-  for (const auto& n : t.node_ranks)
-    if (static_cast<int>(n.size()) != t.L)
-      throw Unsupported(ctx +
-                        "nodes with different numbers of ranks: the hierarchical all-to-all pairs "
-                        "ranks of equal local index across nodes");
+  t.node_of.resize(t.R);
+  t.local_of.resize(t.R);
+  for (int m = 0; m < t.N; ++m)
+    for (int l = 0; l < t.L; ++l) {
+      t.node_of[t.node_ranks[m][l]] = m;
+      t.local_of[t.node_ranks[m][l]] = l;
+    }
   t.me_node = t.node_of[t.rank];
   t.me_local = t.local_of[t.rank];
   return t;
@@ -83,11 +112,11 @@ void checkQuantizedInput(const MoeConfig& cfg, const RowFormat& f, const Quantiz
                                          "quantize x with the buffer's format",
                                          payloadFormatName(xq.format), payloadFormatName(cfg.format)));
   if (xq.payload_row_bytes != f.payload_bytes || xq.scale_row_bytes != f.scale_bytes)
-    throw InvalidUsage(ctx + fmt::format("pre-quantized {} x has {} payload and {} scale bytes per token; "
-                                         "hidden {} needs {} and {} (payload [tokens x {}], scales [tokens x {}])",
-                                         payloadFormatName(cfg.format), xq.payload_row_bytes, xq.scale_row_bytes,
-                                         cfg.hidden, f.payload_bytes, f.scale_bytes, f.payload_bytes,
-                                         f.scale_bytes));
+    throw InvalidUsage(
+        ctx + fmt::format("pre-quantized {} x has {} payload and {} scale bytes per token; "
+                          "hidden {} needs {} and {} (payload [tokens x {}], scales [tokens x {}])",
+                          payloadFormatName(cfg.format), xq.payload_row_bytes, xq.scale_row_bytes, cfg.hidden,
+                          f.payload_bytes, f.scale_bytes, f.payload_bytes, f.scale_bytes));
   if (tokens > 0 && (!xq.payload || !xq.scales))
     throw InvalidUsage(ctx + "pre-quantized x: the payload or scales pointer is null");
 }
@@ -98,8 +127,9 @@ RecvForms recvForms(const MoeConfig& cfg, RecvOutput output, const std::string& 
   r.q = cfg.return_quantized && quantized;
   if (output == RecvOutput::kConfig) return r;
   if (!quantized && output != RecvOutput::kDequantized)
-    throw InvalidUsage(ctx + "a quantized output was asked of a buffer with the native payload format (it "
-                             "has no quantized form): create the buffer with fp8, mxfp8 or nvfp4");
+    throw InvalidUsage(ctx +
+                       "a quantized output was asked of a buffer with the native payload format (it "
+                       "has no quantized form): create the buffer with fp8, mxfp8 or nvfp4");
   r.x = output != RecvOutput::kQuantized;
   r.q = output != RecvOutput::kDequantized && quantized;
   return r;
@@ -109,7 +139,8 @@ Layout computeLayout(const MoeTopology& t, int topk, const int64_t* topk_idx, si
                      const std::string& ctx) {
   const int R = t.R, N = t.N;
   if (num_experts <= 0 || num_experts % R != 0)
-    throw InvalidArgument(ctx + fmt::format("{} experts cannot be spread evenly over {} ranks", num_experts, R));
+    throw InvalidArgument(ctx +
+                          fmt::format("{} experts cannot be spread evenly over {} ranks", num_experts, R));
   if (tokens > 0 && !topk_idx) throw InvalidArgument(ctx + "topk_idx is null");
   const int per_rank = num_experts / R;
   const int k = topk;
@@ -125,8 +156,8 @@ Layout computeLayout(const MoeTopology& t, int topk, const int64_t* topk_idx, si
       int64_t e = topk_idx[tok * k + j];
       if (e == -1) continue;
       if (e < -1 || e >= num_experts)
-        throw InvalidArgument(
-            ctx + fmt::format("topk_idx[{}, {}] = {} is not an expert id in [0, {}) or -1", tok, j, e, num_experts));
+        throw InvalidArgument(ctx + fmt::format("topk_idx[{}, {}] = {} is not an expert id in [0, {}) or -1",
+                                                tok, j, e, num_experts));
       ++l.tokens_per_expert[e];
       ++l.token_expert_pairs;
       int r = static_cast<int>(e / per_rank);
@@ -219,13 +250,14 @@ void finishDispatchMetrics(MoeMetrics& m, const MoeTopology& t, const Layout& st
   const int64_t first_expert = static_cast<int64_t>(t.rank) * t.epr;
   // A flat all-to-all sends one row per (token, expert) whose expert is not on this rank.
   size_t own = 0;
-  for (int e = 0; e < t.epr && !st.tokens_per_expert.empty(); ++e) own += st.tokens_per_expert[first_expert + e];
+  for (int e = 0; e < t.epr && !st.tokens_per_expert.empty(); ++e)
+    own += st.tokens_per_expert[first_expert + e];
   m.flat_bytes = (st.token_expert_pairs - own) * row;
   const uint64_t moved = m.inter_node_bytes + m.intra_node_bytes;
   m.dedup_factor = moved ? static_cast<double>(m.flat_bytes) / moved : 1.0;
-  m.network_dedup =
-      st.remote_token_node_pairs ? static_cast<double>(st.remote_token_expert_pairs) / st.remote_token_node_pairs
-                                 : 1.0;
+  m.network_dedup = st.remote_token_node_pairs
+                        ? static_cast<double>(st.remote_token_expert_pairs) / st.remote_token_node_pairs
+                        : 1.0;
   int mx = 0;
   long sum = 0;
   for (int c : tokens_per_expert) {

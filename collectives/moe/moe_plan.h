@@ -15,9 +15,12 @@
 namespace crossbar::moe {
 
 // Nodes in order of their first rank; every node has L ranks (the forwarder of local index
-// l exists on every node). Expert e lives on rank e / epr.
+// l exists on every node). Expert e lives on rank e / epr. Physical nodes of different
+// sizes are split into groups of the gcd of their sizes (uneven_nodes), and those groups
+// are the nodes here.
 struct MoeTopology {
   int rank = 0, R = 1, N = 1, L = 1, me_node = 0, me_local = 0, epr = 1;
+  bool uneven_nodes = false;
   std::vector<std::vector<int>> node_ranks;  // [node index][local index] -> rank
   std::vector<int> node_of;                  // rank -> node index
   std::vector<int> local_of;                 // rank -> local index in its node
@@ -78,7 +81,10 @@ std::vector<std::vector<int32_t>> localTargets(const MoeTopology& t, int topk, i
 class ExpertAssigner {
  public:
   ExpertAssigner(const MoeTopology& t, int topk, int64_t capacity)
-      : first_(static_cast<int64_t>(t.rank) * t.epr), epr_(t.epr), k_(topk), capacity_(capacity),
+      : first_(static_cast<int64_t>(t.rank) * t.epr),
+        epr_(t.epr),
+        k_(topk),
+        capacity_(capacity),
         tokens_per_expert_(t.epr, 0) {}
   // out_idx[j]: local expert or -1; out_w[j] (when both w and out_w are given): w[j] or 0.
   void assign(const int64_t* idx, const float* w, int64_t* out_idx, float* out_w);

@@ -15,7 +15,7 @@
 
 #include "comm/context.h"
 #include "comm/transport.h"
-#include "ft/ft_testing.h"
+#include "ft/kill_trial.h"
 
 namespace crossbar::testing {
 namespace {
@@ -23,190 +23,28 @@ namespace {
 using ft::FailureKind;
 using ft::FaultTolerantComm;
 
-constexpr Millis kDetect{3000};  // CROSSBAR_FT_DETECT_TIMEOUT in these tests
-// Slack on top of the detection bound for a loaded machine.
-constexpr Millis kSlack{15'000};
-
-RunOptions ftRun(int detect_ms = 3000, bool deaths = true) {
-  RunOptions o;
-  o.allow_rank_death = deaths;
-  o.timeout = Millis(120'000);
-  o.env["CROSSBAR_FT_DETECT_TIMEOUT"] = fmt::format("{}ms", detect_ms);
-  return o;
-}
-
-bool contains(const std::vector<int>& v, int x) {
-  return std::find(v.begin(), v.end(), x) != v.end();
-}
-
-// allow_rank_death would also hide a crash: check that exactly `killed` died of SIGKILL
-// and every other rank finished cleanly.
-void expectOutcome(const std::vector<RankResult>& results, const std::vector<int>& killed) {
-  for (const auto& r : results) {
-    if (contains(killed, r.rank)) {
-      EXPECT_EQ(r.exit_code, -SIGKILL) << "rank " << r.rank << " should have been killed:\n" << r.failure;
-    } else {
-      EXPECT_TRUE(r.ok) << "rank " << r.rank << " (exit " << r.exit_code << "):\n" << r.failure;
-    }
-  }
-}
-
-// shrink() and four verified collectives on the new epoch. `setup_victim` (a rank of
-// the next epoch, -1: none) is meant to die (or hang: `kind`) while that epoch is built
-// or in its first collectives (CROSSBAR_FT_TEST_EXIT_AT): that attempt must fail with
-// PeerFailure (Timeout) within the detection bound (not at CROSSBAR_CONNECT_TIMEOUT),
-// handleError() must blame exactly that rank, and a second shrink must then compute
-// correctly. Leaves `coll` null after a fatal failure.
-void shrinkAndCompute(FaultTolerantComm& ft, std::unique_ptr<Collectives>& coll, uint32_t seed,
-                      int setup_victim = -1, FailureKind kind = FailureKind::kDead) {
-  const uint64_t epoch0 = ft.epoch();
-  for (int attempt = 0;; ++attempt) {
-    const int64_t t0 = monoNs();
-    try {
-      ft.shrink();
-      coll = std::make_unique<Collectives>(ft.comm());
-      for (int it = 0; it < 4; ++it) step(*coll, it, seed);
-      break;
-    } catch (const Error& e) {
-      coll.reset();
-      ASSERT_TRUE(setup_victim >= 0 && attempt == 0) << "unexpected failure (attempt " << attempt << "): " << e.what();
-      EXPECT_EQ(ft.epoch(), epoch0 + 1) << e.what();
-      const ErrorCode code = kind == FailureKind::kDead ? ErrorCode::kPeerFailure : ErrorCode::kTimeout;
-      EXPECT_TRUE(e.code() == code || e.code() == ErrorCode::kAborted) << e.what();
-      EXPECT_LT(monoNs() - t0, (kDetect + kSlack).count() * 1'000'000LL)
-          << "waited too long for the member that failed while epoch " << epoch0 + 1 << " was built: " << e.what();
-      auto faults = ft.handleError(e);
-      ASSERT_EQ(faults.size(), 1u) << e.what();
-      EXPECT_EQ(faults[0].rank, setup_victim) << faults[0].describe();
-      EXPECT_EQ(faults[0].kind, kind) << faults[0].describe();
-    }
-  }
-  EXPECT_EQ(ft.epoch(), epoch0 + (setup_victim >= 0 ? 2 : 1));
-}
-
-// A random rank is SIGKILLed a random time into a random iteration of an
-// allreduce/alltoall loop; survivors must see PeerFailure naming it within the
-// bound, shrink, compute correctly, and have released the dead rank's memory.
-// ranks_per_node > 0 splits the ranks into virtual nodes, so peers on other nodes
-// are reached (and lost) over UCX. In about a third of the trials a second rank dies
-// in the middle of building the shrunk communicator, at a random named setup step
-// (CROSSBAR_FT_TEST_EXIT_AT); the others then shrink again (shrinkAndCompute).
-void killTrial(int n, uint32_t seed, int ranks_per_node = 0, const std::string& algo = {}) {
-  std::mt19937 rng(seed);
-  const int victim = static_cast<int>(rng() % n);
-  const int kill_iter = 2 + static_cast<int>(rng() % 6);
-  const int delay_us = static_cast<int>(rng() % 3000);
-  // The second death: a rank of epoch 1 (n - 1 ranks) at a step it reaches.
-  int setup_victim = -1;
-  std::string setup_step;
-  if (rng() % 3 == 0) {
-    const int m = n - 1, rpn = ranks_per_node > 0 ? ranks_per_node : m;
-    setup_victim = static_cast<int>(rng() % m);
-    std::vector<std::string> steps = {"rankinfo/"};
-    const bool lower = setup_victim % rpn > 0, higher = setup_victim % rpn < rpn - 1 && setup_victim + 1 < m;
-    if (lower || higher) steps.push_back("shm/nonce");
-    if (lower) steps.push_back("unix connect");
-    if (higher) steps.push_back("unix accept");
-    if (rpn < m) {
-      steps.push_back("ucx/addr");
-      steps.push_back("ucx handshake");  // survivors' endpoints are kept: no wireup to interrupt
-    }
-    setup_step = steps[rng() % steps.size()];
-  }
-  const int setup_victim_old = setup_victim < 0 ? -1 : setup_victim < victim ? setup_victim : setup_victim + 1;
-  SCOPED_TRACE(fmt::format("{} ranks ({} per node), seed {}: rank {} dies in iteration {} after {} us{}", n,
-                           ranks_per_node, seed, victim, kill_iter, delay_us,
-                           setup_victim < 0 ? std::string()
-                                            : fmt::format(", then rank {} of epoch 1 (old {}) at setup step '{}'",
-                                                          setup_victim, setup_victim_old, setup_step)));
-  auto options = ftRun();
-  if (ranks_per_node > 0) options.env["CROSSBAR_RANKS_PER_NODE"] = std::to_string(ranks_per_node);
-  if (!algo.empty()) options.env["CROSSBAR_ALGO"] = algo;
-  if (setup_victim >= 0) options.env["CROSSBAR_FT_TEST_EXIT_AT"] = fmt::format("1:{}:{}", setup_victim, setup_step);
-  auto results = runRanks(
-      n,
-      [&](RankEnv& env) {
-        auto ft = FaultTolerantComm::create(env.store, env.rank, n, ftOptions(env));
-        auto coll = std::make_unique<Collectives>(ft->comm());
-        // Baseline after every kind of step ran once: small calls use the eager slots,
-        // larger ones the staging heap, each created on first use.
-        for (int it = 0; it < 4; ++it) step(*coll, it, seed);
-        const int maps0 = countShmMaps(), fds0 = countFds();
-        const int local0 = ft->comm()->localSize();
-        std::thread killer;
-        try {
-          for (int it = 1; it < 2000; ++it) {
-            if (env.rank == victim && it == kill_iter) {
-              killer = std::thread([&] {
-                std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
-                env.store->set("test/killed_at", std::to_string(monoNs()));
-                ::kill(::getpid(), SIGKILL);
-              });
-            }
-            step(*coll, it, seed);
-          }
-          ADD_FAILURE() << "rank " << env.rank << ": no failure after 2000 iterations";
-          if (killer.joinable()) killer.join();
-          return;
-        } catch (const Error& e) {
-          // The operation's own error may name a survivor that tore down first (a
-          // cascade); what the detector reports must name exactly the dead rank.
-          EXPECT_TRUE(e.code() == ErrorCode::kPeerFailure || e.code() == ErrorCode::kAborted) << e.what();
-          auto faults = ft->handleError(e);
-          const int64_t seen = monoNs();
-          auto killed = std::stoll(toString(env.store->get("test/killed_at", Deadline::after(kSlack))));
-          EXPECT_LT(seen - killed, (kDetect + kSlack).count() * 1'000'000LL) << "detection took too long";
-          ASSERT_EQ(faults.size(), 1u) << e.what();
-          EXPECT_EQ(faults[0].rank, victim) << faults[0].describe();
-          EXPECT_EQ(faults[0].kind, FailureKind::kDead) << faults[0].describe();
-          EXPECT_NE(faults[0].describe().find(fmt::format("rank {} (host", victim)), std::string::npos);
-        }
-        coll.reset();
-        shrinkAndCompute(*ft, coll, seed + 1, setup_victim);
-        if (!coll) return;
-        const int rank1 = env.rank < victim ? env.rank : env.rank - 1;  // in epoch 1
-        EXPECT_EQ(ft->size(), setup_victim < 0 ? n - 1 : n - 2);
-        EXPECT_EQ(ft->rank(), setup_victim < 0 || rank1 < setup_victim ? rank1 : rank1 - 1);
-        // The dead peers' segments and sockets are gone with the old epoch's context.
-        // (Virtual nodes are consecutive ranks, so renumbering can move ranks between them.)
-        if (ft->comm()->localSize() < local0) {
-          EXPECT_LT(countShmMaps(), maps0);
-          EXPECT_LT(countFds(), fds0);
-        } else {
-          EXPECT_LE(countShmMaps(), maps0);
-          EXPECT_LE(countFds(), fds0);
-        }
-        coll.reset();
-        ft->comm()->barrier();
-      },
-      options, /*expect_ok=*/false);
-  if (setup_victim < 0)
-    expectOutcome(results, {victim});
-  else
-    expectOutcome(results, {victim, setup_victim_old});
-}
-
 TEST(FtKill, RandomRankDuringCollectives4) {
-  for (uint32_t seed = 1; seed <= 4; ++seed) killTrial(4, seed);
-  for (uint32_t seed = 5; seed <= 6; ++seed) killTrial(4, seed, /*ranks_per_node=*/2);
+  for (uint32_t seed = 1; seed <= 4; ++seed) killTrial({.ranks = 4, .seed = seed});
+  for (uint32_t seed = 5; seed <= 6; ++seed) killTrial({.ranks = 4, .seed = seed, .ranks_per_node = 2});
 }
 
 // The pipelined hierarchical allreduce over virtual nodes sends rendezvous messages both
 // ways between nodes at once: where a survivor used to abort in UCX 1.13's teardown
 // ("got REP message"; test_ft_ucx_teardown has the deterministic case).
 TEST(FtKill, PipelinedAllreduceOverVirtualNodes) {
-  for (uint32_t seed = 5; seed <= 8; ++seed) killTrial(4, seed, /*ranks_per_node=*/2, "allreduce=hier_pipelined");
+  for (uint32_t seed = 5; seed <= 8; ++seed)
+    killTrial({.ranks = 4, .seed = seed, .ranks_per_node = 2, .algo = "allreduce=hier_pipelined"});
 }
 
 TEST(FtKill, RandomRankDuringCollectives8) {
-  for (uint32_t seed = 101; seed <= 103; ++seed) killTrial(8, seed);
-  killTrial(8, 104, /*ranks_per_node=*/4);
+  for (uint32_t seed = 101; seed <= 103; ++seed) killTrial({.ranks = 8, .seed = seed});
+  killTrial({.ranks = 8, .seed = 104, .ranks_per_node = 4});
 }
 
 // 50 trials over 4 and 8 ranks: test_ft --gtest_also_run_disabled_tests --gtest_filter='*Soak*'
 TEST(FtKill, DISABLED_Soak) {
   for (uint32_t t = 0; t < 50; ++t) {
-    killTrial(t % 2 ? 8 : 4, 1000 + t, t % 3 == 0 ? 2 : 0);
+    killTrial({.ranks = t % 2 ? 8 : 4, .seed = 1000 + t, .ranks_per_node = t % 3 == 0 ? 2 : 0});
     if (::testing::Test::HasFailure()) break;
   }
 }
@@ -250,11 +88,13 @@ void survivorDiesAfterDecision(int ranks_per_node) {
         }
         try {
           ft->shrink();
-          ADD_FAILURE() << "the first shrink succeeded although rank " << second << " died after the decision";
+          ADD_FAILURE() << "the first shrink succeeded although rank " << second
+                        << " died after the decision";
           return;
         } catch (const Error& e) {
           const int64_t seen = monoNs();
-          auto killed = std::stoll(toString(env.store->get("test/second_killed_at", Deadline::after(kSlack))));
+          auto killed =
+              std::stoll(toString(env.store->get("test/second_killed_at", Deadline::after(kSlack))));
           EXPECT_EQ(e.code(), ErrorCode::kPeerFailure) << e.what();
           EXPECT_TRUE(contains(e.peers(), second)) << e.what();  // new rank 2 is old rank 2
           EXPECT_LT(seen - killed, (kDetect + kSlack).count() * 1'000'000LL)
@@ -294,7 +134,8 @@ TEST(FtShrink, SurvivorDiesAfterDecision) {
 // With `hang`, rank 1 stops (SIGSTOP) instead: the others must report it hung (Timeout)
 // within the bound; rank 0 SIGKILLs it once they have shrunk.
 void memberDiesDuringSetup(const std::string& exit_step, int ranks_per_node, bool hang = false) {
-  SCOPED_TRACE(fmt::format("step '{}', {} ranks per node{}", exit_step, ranks_per_node, hang ? ", stops" : ""));
+  SCOPED_TRACE(
+      fmt::format("step '{}', {} ranks per node{}", exit_step, ranks_per_node, hang ? ", stops" : ""));
   const int n = 4, first = 3, second = 1;
   auto options = ftRun();
   options.env["CROSSBAR_CONNECT_TIMEOUT"] = "60s";
@@ -309,15 +150,17 @@ void memberDiesDuringSetup(const std::string& exit_step, int ranks_per_node, boo
         for (int it = 0; it < 4; ++it) step(*coll, it, 31);
         const int maps0 = countShmMaps(), fds0 = countFds();
         if (!loseRankInCollectives(*ft, coll, env.rank, first, 32)) return;
-        shrinkAndCompute(*ft, coll, 33, second, hang ? FailureKind::kHung : FailureKind::kDead);
+        std::unique_ptr<Workload> work;
+        shrinkAndCompute(*ft, work, collectivesWorkload(), 33, second,
+                         hang ? FailureKind::kHung : FailureKind::kDead);
         if (hang && env.rank == 0)
           ::kill(std::stoi(toString(env.store->get(fmt::format("test/pid/{}", second)))), SIGKILL);
-        if (!coll) return;
+        if (!work) return;
         EXPECT_EQ(ft->size(), 2);
         EXPECT_EQ(ft->rank(), env.rank == 0 ? 0 : 1);
         EXPECT_LE(countShmMaps(), maps0);
         EXPECT_LE(countFds(), fds0);
-        coll.reset();
+        work.reset();
         ft->comm()->barrier();
       },
       options, /*expect_ok=*/false);
@@ -325,9 +168,9 @@ void memberDiesDuringSetup(const std::string& exit_step, int ranks_per_node, boo
 }
 
 TEST(FtShrink, MemberDiesDuringSetupOfShrunkEpoch) {
-  memberDiesDuringSetup("shm/nonce", 0);       // before its listener: 0 waits in accept, 2 in connect
-  memberDiesDuringSetup("unix accept", 0);     // connected to 0, never accepts 2
-  memberDiesDuringSetup("symmem/", 0);         // setup done; dies in the first heap rendezvous
+  memberDiesDuringSetup("shm/nonce", 0);    // before its listener: 0 waits in accept, 2 in connect
+  memberDiesDuringSetup("unix accept", 0);  // connected to 0, never accepts 2
+  memberDiesDuringSetup("symmem/", 0);      // setup done; dies in the first heap rendezvous
   // {0,1} | {2}: rank 1 stopped, then killed, at its UCX handshake step. The survivors
   // keep their UCX endpoints across the shrink, so none is being wired up to it (before,
   // a kill there could abort a survivor inside UCX 1.13, "wireup_ep->pending_count == 0";
@@ -549,8 +392,9 @@ TEST(FtShrink, LeaderConfirmsWhatARankItLeavesOutReported) {
         coll.reset();
         ASSERT_EQ(faults.size(), 1u) << faults.size() << " faults, the first: " << faults.at(0).describe();
         EXPECT_EQ(faults[0].rank, hung) << faults[0].describe();
-        EXPECT_EQ(faults[0].reporter, reporter) << "the case under test needs rank " << reporter
-                                                << " to find rank " << hung << " first: " << faults[0].describe();
+        EXPECT_EQ(faults[0].reporter, reporter)
+            << "the case under test needs rank " << reporter << " to find rank " << hung
+            << " first: " << faults[0].describe();
         if (env.rank == reporter) {
           env.store->wait({"test/handled/0", "test/handled/1"}, Deadline::after(kSlack));
           ::kill(::getpid(), SIGSTOP);
@@ -560,7 +404,8 @@ TEST(FtShrink, LeaderConfirmsWhatARankItLeavesOutReported) {
         env.store->set(fmt::format("test/handled/{}", env.rank), "1");
         const int64_t t0 = monoNs();
         ft->shrink();
-        EXPECT_LT(monoNs() - t0, (slow + kSlack).count() * 1'000'000LL) << "the leader waited for a hung rank";
+        EXPECT_LT(monoNs() - t0, (slow + kSlack).count() * 1'000'000LL)
+            << "the leader waited for a hung rank";
         EXPECT_EQ(ft->size(), 2);
         EXPECT_EQ(ft->rank(), env.rank);
         coll = std::make_unique<Collectives>(ft->comm());

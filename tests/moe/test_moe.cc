@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <numeric>
 
 #include "collectives/float_types.h"
@@ -236,9 +237,19 @@ void runCase(MoeBuffer& buf, const Case& c, int me, int R, int L, PayloadFormat 
   }
 }
 
+// Ranks per node as the all-to-all sees them: the gcd of the node sizes (nodes of
+// different sizes run as groups of that many ranks; moe_plan.h).
+int groupSize(const Communicator& comm) {
+  std::map<int, int> per_node;
+  for (int r = 0; r < comm.size(); ++r) ++per_node[comm.nodeOf(r)];
+  int g = 0;
+  for (const auto& [node, n] : per_node) g = std::gcd(g, n);
+  return g;
+}
+
 void body(RankEnv& env) {
   auto comm = env.communicator();
-  const int R = comm->size(), L = comm->localSize(), me = comm->rank();
+  const int R = comm->size(), L = groupSize(*comm), me = comm->rank();
   const int N = R / L;
   MoeConfig cfg;
   cfg.max_tokens = 32;
@@ -328,6 +339,14 @@ TEST(Moe, Topology2x2) {
 }
 TEST(Moe, Topology4x2) {
   runTopology(8, 2);
+}
+// Nodes of different sizes (a shrunk fault-tolerant communicator): {0,1} | {2} runs as
+// three groups of one, {0-3} | {4,5} as three groups of two.
+TEST(Moe, UnevenNodes2And1) {
+  runTopology(3, 2);
+}
+TEST(Moe, UnevenNodes4And2) {
+  runTopology(6, 4);
 }
 
 TEST(MoeRouting, NodeLimitedAndDeterministic) {
