@@ -3,8 +3,8 @@
 // (moe.h) delivers: received rows in the same (source rank, token) order, the same local
 // expert ids (capacity drops included), per-expert counts, expert-major index, byte counts
 // and dedup metrics. The forwarding lists must be consistent across ranks: what forwarder f
-// writes to rank d is what d expects from f. Topologies 1x1, 1x2, 1x4, 2x2 (virtual nodes).
-// Then the executor's data movement is emulated on the CPU with the plan's and the kernels'
+// writes to rank d is what d expects from f. Topologies 1x1, 1x2, 1x4, 2x2 and nodes of 4 and 2 ranks
+// (virtual nodes). Then the executor's data movement is emulated on the CPU with the plan's and the kernels'
 // index arrays (cudaMoeSumIndex, cudaMoeForwardPhases), in the executor's order of operations
 // (several nodes: own rows forwarded / summed while the network phase is in flight), over
 // host p2p: the received rows and the plain, weighted and expert-major combines must equal
@@ -91,7 +91,8 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
       ASSERT_EQ(ph.src[phase][j].size(), ph.pos[phase][j].size());
       for (size_t q = 0; q < ph.src[phase][j].size(); ++q) {
         EXPECT_EQ(phase == 0, static_cast<size_t>(ph.src[phase][j][q]) < p.fwd_count[t.me_node]);
-        std::memcpy(out_to[j].data() + ph.pos[phase][j][q] * xrow, F.data() + ph.src[phase][j][q] * xrow, xrow);
+        std::memcpy(out_to[j].data() + ph.pos[phase][j][q] * xrow, F.data() + ph.src[phase][j][q] * xrow,
+                    xrow);
       }
     }
   };
@@ -107,7 +108,8 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
   forward(1);
   // Every slot position written once, with the row fwd_to_local says.
   for (int j = 0; j < t.L; ++j)
-    EXPECT_EQ(out_to[j], gather(F.data(), p.fwd_to_local[j], xrow)) << "forwarding phases to local rank " << j;
+    EXPECT_EQ(out_to[j], gather(F.data(), p.fwd_to_local[j], xrow))
+        << "forwarding phases to local rank " << j;
   // Within the node: each local rank's slot for us, decoded to recv_rows.
   for (int j = 0; j < t.L; ++j) {
     if (t.localRank(j) == t.rank) {
@@ -131,7 +133,8 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
     std::vector<float> cb(static_cast<size_t>(t.L) * slot_floats, 0.0f);
     std::vector<std::vector<float>> send(t.L);
     for (int j = 0; j < t.L; ++j) {
-      for (int32_t r : p.recv_rows[j]) send[j].insert(send[j].end(), yw.begin() + r * H, yw.begin() + (r + 1) * H);
+      for (int32_t r : p.recv_rows[j])
+        send[j].insert(send[j].end(), yw.begin() + r * H, yw.begin() + (r + 1) * H);
       float* my_slot_there = cb.data() + static_cast<size_t>(t.me_local) * slot_floats;
       if (t.localRank(j) == t.rank) {
         std::copy(send[j].begin(), send[j].end(), my_slot_there);
@@ -139,8 +142,8 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
       }
       reqs.push_back(comm.isend(send[j].data(), send[j].size() * 4, t.localRank(j), ctag));
       // Local rank j's rows for us land in slot j.
-      reqs.push_back(comm.irecv(cb.data() + static_cast<size_t>(j) * slot_floats, p.fwd_to_local[j].size() * H * 4,
-                                t.localRank(j), ctag));
+      reqs.push_back(comm.irecv(cb.data() + static_cast<size_t>(j) * slot_floats,
+                                p.fwd_to_local[j].size() * H * 4, t.localRank(j), ctag));
     }
     comm.waitAll(reqs, dl);
     reqs.clear();
@@ -192,8 +195,7 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
   CombineResult hc = host.combine(d.x.data(), cfg.dtype, *d.handle);
   CombineResult hcw = host.combine(d.x.data(), cfg.dtype, *d.handle, rw.data());
   EXPECT_TRUE(sameFloats(combine(y, tag + 4), hc.out)) << "emulated combine";
-  EXPECT_TRUE(sameFloats(combine(yw, tag + 6), hcw.out))
-      << "emulated weighted combine";
+  EXPECT_TRUE(sameFloats(combine(yw, tag + 6), hcw.out)) << "emulated weighted combine";
   // Expert-major: the rows of one received row summed first (em CSR), then combine.
   std::vector<float> em(d.num_recv * H, 0.0f);
   for (size_t i = 0; i < d.num_recv; ++i)
@@ -205,13 +207,13 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
       em[i * H + c] = a;
     }
   CombineResult hem = host.combineExpertMajor(d.x_expert_major.data(), cfg.dtype, d, d.expert_weights.data());
-  EXPECT_TRUE(sameFloats(combine(em, tag + 8), hem.out))
-      << "emulated expert-major combine";
+  EXPECT_TRUE(sameFloats(combine(em, tag + 8), hem.out)) << "emulated expert-major combine";
 }
 
 void checkCase(Communicator& comm, MoeBuffer& host, Route route, uint32_t tag) {
   const MoeConfig& cfg = host.config();
-  const int R = comm.size(), L = comm.localSize(), me = comm.rank();
+  const MoeTopology topo = makeTopology(comm, cfg, "test");
+  const int R = comm.size(), L = topo.L, me = comm.rank();  // L: ranks per node (or group)
   const size_t k = static_cast<size_t>(cfg.topk);
   const int epr = cfg.num_experts / R;
   SCOPED_TRACE(::testing::Message() << "route " << static_cast<int>(route) << " rank " << me);
@@ -219,7 +221,6 @@ void checkCase(Communicator& comm, MoeBuffer& host, Route route, uint32_t tag) {
   auto x = toType(in.xf, cfg.dtype);
   DispatchResult d = host.dispatch(x.data(), in.tokens, in.idx.data(), in.w.data());
 
-  const MoeTopology topo = makeTopology(comm, cfg, "test");
   const RowFormat fmt = makeRowFormat(cfg);
   EXPECT_EQ(fmt.row, host.rowBytes());
   CudaMoePlan p =
@@ -240,11 +241,13 @@ void checkCase(Communicator& comm, MoeBuffer& host, Route route, uint32_t tag) {
   for (size_t i = 0; i < d.num_recv; ++i) {
     Input src = makeInput(route, d.src_rank[i], R, L, cfg.hidden, cfg.topk, epr);
     for (size_t j = 0; j < k; ++j)
-      recv_w[i * k + j] = p.topk_idx[i * k + j] >= 0 ? src.w[static_cast<size_t>(d.src_token[i]) * k + j] : 0.0f;
+      recv_w[i * k + j] =
+          p.topk_idx[i * k + j] >= 0 ? src.w[static_cast<size_t>(d.src_token[i]) * k + j] : 0.0f;
   }
   EXPECT_EQ(recv_w, d.topk_weights);
   ASSERT_EQ(p.expert_major.slots.size(), d.expert_weights.size());
-  for (size_t q = 0; q < d.expert_weights.size(); ++q) EXPECT_EQ(recv_w[p.expert_major.slots[q]], d.expert_weights[q]);
+  for (size_t q = 0; q < d.expert_weights.size(); ++q)
+    EXPECT_EQ(recv_w[p.expert_major.slots[q]], d.expert_weights[q]);
 
   // Bytes and derived metrics are the host executor's.
   EXPECT_EQ(p.inter_node_bytes, d.metrics.inter_node_bytes);
@@ -332,6 +335,10 @@ TEST(MoeCudaPlan, Topology1x4) {
 }
 TEST(MoeCudaPlan, Topology2x2) {
   runTopology(4, 2);
+}
+// Nodes of 4 and 2 ranks: the plan runs over three groups of two (moe_plan.h).
+TEST(MoeCudaPlan, UnevenNodes4And2) {
+  runTopology(6, 4);
 }
 
 }  // namespace
