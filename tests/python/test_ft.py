@@ -36,6 +36,40 @@ def _serve_store(conn):
     conn.recv()  # serve until the test is done
 
 
+def _run_forked(target, whos, tmp_path, timeout, env=None):
+    """Runs target(who, store_port, out_dir) in a forked process per `who`, next to a store
+    process that outlives them all; returns the processes (joined or killed). `env` is set
+    in this process around the forks (the children inherit it)."""
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_serve_store, args=(child,), daemon=True)
+    server.start()
+    port = parent.recv()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    procs = {who: ctx.Process(target=target, args=(who, port, str(tmp_path))) for who in whos}
+    try:
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.join(timeout=timeout)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join()
+        parent.send("done")
+        server.join(timeout=10)
+        if server.is_alive():
+            server.kill()
+    return procs
+
+
 def _batch(step, rank):
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
@@ -124,26 +158,7 @@ def dataclass_dict(f):
 
 
 def test_training_survives_killed_rank_and_grows_back(tmp_path):
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe()
-    server = ctx.Process(target=_serve_store, args=(child,), daemon=True)
-    server.start()
-    port = parent.recv()
-    procs = {who: ctx.Process(target=_train, args=(who, port, str(tmp_path))) for who in [*range(WORLD), "joiner"]}
-    try:
-        for p in procs.values():
-            p.start()
-        for p in procs.values():
-            p.join(timeout=240)
-    finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-                p.join()
-        parent.send("done")
-        server.join(timeout=10)
-        if server.is_alive():
-            server.kill()
+    procs = _run_forked(_train, [*range(WORLD), "joiner"], tmp_path, timeout=240)
 
     victim_out = tmp_path / f"{VICTIM}.json"
     timings = []
@@ -209,26 +224,7 @@ def _torch_shrink(who, port, out_dir):
 
 @pytest.mark.skipif(not hasattr(dist, "shrink_group"), reason="torch.distributed.shrink_group is new in torch 2.10")
 def test_torch_shrink_group_runs_the_agreement(tmp_path):
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe()
-    server = ctx.Process(target=_serve_store, args=(child,), daemon=True)
-    server.start()
-    port = parent.recv()
-    procs = {who: ctx.Process(target=_torch_shrink, args=(who, port, str(tmp_path))) for who in range(3)}
-    try:
-        for p in procs.values():
-            p.start()
-        for p in procs.values():
-            p.join(timeout=120)
-    finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-                p.join()
-        parent.send("done")
-        server.join(timeout=10)
-        if server.is_alive():
-            server.kill()
+    procs = _run_forked(_torch_shrink, range(3), tmp_path, timeout=120)
     assert procs[1].exitcode == -signal.SIGKILL
     for who in (0, 2):
         path = tmp_path / f"{who}.json"
@@ -239,3 +235,92 @@ def test_torch_shrink_group_runs_the_agreement(tmp_path):
         new_rank = 0 if who == 0 else 1
         assert out["torch_group"] == [new_rank, 2], out
         assert out["ft_group"] == [new_rank, 2, 1], out
+
+
+MOE_EXPERTS = 12  # spread over 4 and 3 ranks
+
+
+def _moe_step(buf, group_rank, group_size, step):
+    """One expert-parallel step with identity experts: every token comes back as its row
+    times the number of ranks that hold one of its experts (integers: exact in f32)."""
+    g = torch.Generator().manual_seed(100 * step + group_rank)
+    tokens = 5 + (step + group_rank) % 7
+    x = torch.randint(-8, 9, (tokens, 64), generator=g).float()
+    idx = torch.stack([torch.randperm(MOE_EXPERTS, generator=g)[:2] for _ in range(tokens)])
+    w = torch.rand(tokens, 2, generator=g)
+    d = buf.dispatch(x, idx, w)
+    out = buf.combine(d.x, d.handle)
+    per_rank = MOE_EXPERTS // group_size
+    holders = torch.tensor([len({int(e) // per_rank for e in row}) for row in idx], dtype=torch.float32)
+    return bool(torch.equal(out, x * holders[:, None]))
+
+
+def _moe_train(who, port, out_dir):
+    """4 ranks on 2 virtual nodes run MoE steps on a crossbar.ft group; rank 2 dies; the
+    survivors (nodes of 2 and 1 ranks) make a new moe.Buffer and go on; a joiner restores 2x2."""
+    from crossbar import moe
+
+    out = {"who": who, "sizes": [], "errors": []}
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+        opts = dict(name="moe", timeout=60, detect_timeout=3)
+        joiner = who == "joiner"
+        g = ft.FaultTolerantGroup.join(store, **opts) if joiner else ft.FaultTolerantGroup(store, who, WORLD, **opts)
+
+        def new_buffer():
+            out["sizes"].append(g.size)
+            return moe.Buffer(g.group, max_tokens=16, hidden=64, topk=2, num_experts=MOE_EXPERTS,
+                              dtype=torch.float32)
+
+        buf = new_buffer()
+        step = 0 if not joiner else GROW_STEP
+        grown = joiner
+        while step < STEPS:
+            try:
+                if who == VICTIM and step == KILL_STEP:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if not _moe_step(buf, g.rank, g.size, step):
+                    out["errors"].append(f"step {step} (size {g.size}): combine differs from the reference")
+                step += 1
+            except ft.FAILURES as e:
+                out["faults"] = [dataclass_dict(f) for f in g.handle_error(e)]
+                del buf
+                g.shrink()
+                buf = new_buffer()
+                s = torch.tensor([step], dtype=torch.int64)  # the step every survivor redoes
+                dist.all_reduce(s, op=dist.ReduceOp.MIN, group=g.group)
+                step = int(s.item())
+                continue
+            if step == GROW_STEP and not grown:
+                del buf
+                g.grow(WORLD)
+                grown = True
+                buf = new_buffer()
+        out["final"] = {"rank": g.rank, "size": g.size, "epoch": g.epoch}
+        del buf
+        g.close()
+    except BaseException:  # noqa: BLE001 - reported through the file
+        out["errors"].append(traceback.format_exc())
+    with open(os.path.join(out_dir, f"{who}.json"), "w") as f:
+        json.dump(out, f)
+    os._exit(0)
+
+
+def test_moe_survives_killed_rank_on_uneven_nodes_and_grows_back(tmp_path):
+    procs = _run_forked(_moe_train, [*range(WORLD), "joiner"], tmp_path, timeout=240,
+                        env={"CROSSBAR_RANKS_PER_NODE": "2"})
+    assert procs[VICTIM].exitcode == -signal.SIGKILL
+    for who, p in procs.items():
+        if who == VICTIM:
+            continue
+        path = tmp_path / f"{who}.json"
+        assert p.exitcode == 0 and path.exists(), f"{who}: exit {p.exitcode}"
+        out = json.loads(path.read_text())
+        assert out["errors"] == [], f"{who}: {out['errors']}"
+        assert out["final"]["size"] == WORLD, out
+        if who == "joiner":
+            assert out["sizes"] == [WORLD], out
+            continue
+        # 4 (2x2) -> 3 (nodes of 2 and 1: the buffer runs over groups of one) -> 4.
+        assert out["sizes"] == [WORLD, WORLD - 1, WORLD], out
+        assert {(f["rank"], f["kind"]) for f in out["faults"]} == {(VICTIM, "dead")}, out["faults"]
