@@ -317,6 +317,7 @@ void SymmStaging::stageCopy(void* dst, const void* src, size_t bytes) {
 SymmCache::SymmCache() {
   bytes_ = env::getSize("CROSSBAR_COLL_SYMM_BYTES");
   chunk_ = env::getSize("CROSSBAR_COLL_SYMM_CHUNK");
+  stream_bytes_ = env::getSize("CROSSBAR_COLL_STREAM_BYTES");
 }
 
 bool SymmCache::has(Communicator& comm) {
@@ -328,7 +329,10 @@ bool SymmCache::has(Communicator& comm) {
 SymmStaging& SymmCache::get(Communicator& comm) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto& s = states_[&comm];
-  if (!s) s = std::make_unique<SymmStaging>(comm.shared_from_this(), bytes_, chunk_);
+  if (!s) {
+    s = std::make_unique<SymmStaging>(comm.shared_from_this(), bytes_, chunk_);
+    s->setStreamBytes(stream_bytes_);
+  }
   return *s;
 }
 
@@ -606,7 +610,7 @@ void reduceScatterSymm(const CollArgs& a, RunContext& x) {
 void allgatherSymm(const CollArgs& a, RunContext& x) {
   SymmStaging& s = staging(*x.comm, x);
   symmAllgather(s, x, a.send, a.recv, uniformBlocks(a.count, s.size()), a.type,
-                a.count * elementSize(a.type) * s.size() >= (8u << 20), true);
+                a.count * elementSize(a.type) * s.size() >= s.streamBytes(), true);
 }
 
 // Hierarchical: intra-node reduce-scatter over symmetric memory -> allreduce of my
@@ -647,7 +651,7 @@ void broadcastSymm(const CollArgs& a, RunContext& x) {
   const size_t es = elementSize(a.type), n = a.count;
   const size_t C = chunkElems(s.chunkBytes(), es);
   const size_t K = ceilDiv(n, C);
-  const bool nt = n * es >= (8u << 20);
+  const bool nt = n * es >= s.streamBytes();
   ZeroCopy z(s, a.recv, n * es, 1, r == a.root);  // the root never writes its buffer
   for (size_t k = 0; k < K; ++k) {
     const int h = s.halfOf(k);
@@ -804,10 +808,10 @@ void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const si
   };
   if (rounds == 0) copyOwn();
   // Large outputs are not read again soon: streaming stores skip the read-for-ownership
-  // of every receive line (as allgather and broadcast do from 8 MiB).
+  // of every receive line (as allgather and broadcast do; CROSSBAR_COLL_STREAM_BYTES).
   size_t received = 0;
   for (int q = 0; q < p; ++q) received += rcnt[q] * es;
-  const bool nt = received >= (8u << 20);
+  const bool nt = received >= s.streamBytes();
   for (size_t k = 0; k < rounds; ++k) {
     const int h = s.halfOf(k);
     const size_t lo = k * C;

@@ -66,6 +66,10 @@ class SymmStaging {
   int size() const { return size_; }
   size_t halfBytes() const { return half_; }
   size_t chunkBytes() const { return chunk_; }  // largest chunk per rank (<= halfBytes)
+  // Outputs of at least this many bytes per rank are written with streaming stores by the
+  // data movers (CROSSBAR_COLL_STREAM_BYTES).
+  size_t streamBytes() const { return stream_bytes_; }
+  void setStreamBytes(size_t b) { stream_bytes_ = b; }
   char* mine(int h) const { return slot(rank_, h); }
   char* slot(int rank, int h) const { return static_cast<char*>(buf_->peerPtr(rank)) + h * half_; }
   int halfOf(uint64_t k) const { return static_cast<int>((base_ + k) & 1); }
@@ -159,7 +163,7 @@ class SymmStaging {
   symm::SymmetricHeap heap_;
   std::shared_ptr<symm::SymmetricBuffer> buf_;
   int rank_ = 0, size_ = 0;
-  size_t half_ = 0, chunk_ = 0;
+  size_t half_ = 0, chunk_ = 0, stream_bytes_ = size_t{8} << 20;
   uint64_t base_ = 0;
   Clock::duration spin_{};                 // pure spin before yielding: CROSSBAR_SPIN_US when ranks <= cores
   std::vector<std::deque<uint8_t>> owed_;  // by reader: halves it still has to release, oldest first
@@ -218,7 +222,7 @@ class SymmCache {
   bool has(Communicator& comm);  // get() would not create it (creating is collective)
 
  private:
-  size_t bytes_ = 0, chunk_ = 0;
+  size_t bytes_ = 0, chunk_ = 0, stream_bytes_ = 0;
   std::mutex mutex_;
   std::map<const Communicator*, std::unique_ptr<SymmStaging>> states_;
 };
