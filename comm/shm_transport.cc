@@ -85,6 +85,8 @@ struct InboxHeader {
   uint64_t ring_bytes;
   uint64_t slot_stride;
   alignas(kCacheLine) std::atomic<uint32_t> sleeping;  // owner is (about to be) blocked in poll()
+  // The owner aborted this transport: the hang-up that follows is an abort, not a death.
+  std::atomic<uint32_t> aborted;
 };
 static_assert(sizeof(InboxHeader) <= kPage);
 
@@ -325,6 +327,7 @@ ShmTransport::ShmTransport(const TransportSetup& setup, const ShmTransportOption
   my_hdr_->ring_bytes = ring_bytes_;
   my_hdr_->slot_stride = stride;
   my_hdr_->sleeping.store(0);
+  my_hdr_->aborted.store(0);
   for (size_t i = 0; i < peers_.size(); ++i) {
     auto* ctrl = new (inbox_.as<char>(slotOffset(i, stride))) RingCtrl{};
     ctrl->head.store(0);
@@ -976,7 +979,11 @@ void ShmTransport::checkLiveness(bool force) {
   next_liveness_check_ = now + std::chrono::milliseconds(1);
   for (Peer& p : peers_) {
     if (p.failed || !p.conn.valid()) continue;
-    if (p.conn.peerClosed()) failPeer(p, "its socket closed: the process exited, crashed or was killed");
+    if (!p.conn.peerClosed()) continue;
+    if (p.hdr && p.hdr->aborted.load(std::memory_order_acquire))
+      failPeer(p, "it aborted its communicator (abort(), or a failure it detected) and left; it may be alive");
+    else
+      failPeer(p, "its socket closed: the process exited, crashed or was killed");
   }
 }
 
@@ -1075,6 +1082,8 @@ void ShmTransport::abort(std::exception_ptr error) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) return;
   aborted_ = error;
+  // Before the peers can see this process close its sockets (they name the cause).
+  if (my_hdr_) my_hdr_->aborted.store(1, std::memory_order_release);
   failAll(error);
   if (my_wake_) {
     uint64_t one = 1;  // a thread blocked in the engine's poll() returns now, not at its 100 ms cap

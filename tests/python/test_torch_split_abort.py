@@ -2,6 +2,8 @@
 split_group) ends that group's pending work only: the default group and the other groups
 keep working. Aborting the default group still ends every group."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,22 +65,33 @@ def test_abort_of_a_split_leaves_the_others_working():
     run_ranks(_abort_one_split, 4)
 
 
-def _abort_world(rank, world):
+def _abort_world(rank, world, peer_first):
     import crossbar
 
     a = dist.new_group([0, 1], use_local_synchronization=True)
     _all_reduce_check(a, [0, 1], 0)
     r = torch.zeros(1)
     recv = dist.irecv(r, group_src=1 - rank, group=a, tag=3)
+    if peer_first and rank == 0:
+        # Rank 1 aborts first: its hang-up fails this receive before this rank aborts, as
+        # PeerFailure saying the peer aborted (not that it died).
+        deadline = time.monotonic() + 30
+        while not recv.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(crossbar.PeerFailure, match="rank 1 .* aborted its communicator"):
+            recv.wait()
     dist.group.WORLD.abort()  # the default group: its communicator's context ends
-    with pytest.raises(crossbar.Aborted):
-        recv.wait()
+    if not peer_first:
+        # Aborted; or, when the peer's abort came first, PeerFailure (above).
+        with pytest.raises((crossbar.Aborted, crossbar.PeerFailure)):
+            recv.wait()
     with pytest.raises(crossbar.Aborted):  # the split's communicator is aborted with its context
         dist.isend(torch.ones(1), group_dst=1 - rank, group=a, tag=4).wait()
 
 
-def test_abort_of_the_default_group_ends_every_group():
-    run_ranks(_abort_world, 2)
+@pytest.mark.parametrize("peer_first", [False, True], ids=["both", "peer_first"])
+def test_abort_of_the_default_group_ends_every_group(peer_first):
+    run_ranks(_abort_world, 2, peer_first)
 
 
 def _aborted_receive_is_withdrawn(rank, world):
