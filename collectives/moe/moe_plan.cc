@@ -50,8 +50,7 @@ MoeTopology makeTopology(const Communicator& comm, const MoeConfig& cfg, const c
   // of one physical node exchange through the communicator's shared-memory p2p.
   size_t g = 0;
   for (const auto& h : hosts) g = std::gcd(g, h.size());
-  if (std::any_of(hosts.begin(), hosts.end(), [&](const auto& h) { return h.size() != g; }) &&
-      hosts.size() > 1) {
+  if (std::any_of(hosts.begin(), hosts.end(), [&](const auto& h) { return h.size() != g; })) {
     t.uneven_nodes = true;
     if (t.rank == 0) {
       std::string sizes;

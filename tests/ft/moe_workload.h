@@ -66,15 +66,12 @@ class MoeWorkload : public Workload {
   using PayloadFormat = moe::PayloadFormat;
   explicit MoeWorkload(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {
     using namespace moe_workload;
-    // Divisible by every communicator size a trial has (1-8 ranks): the experts are spread
-    // again over the survivors.
-    experts_ = 840;
     for (PayloadFormat f : {PayloadFormat::kNative, PayloadFormat::kFp8}) {
       moe::MoeConfig cfg;
       cfg.max_tokens = kMaxTokens;
       cfg.hidden = kHidden;
       cfg.topk = kTopk;
-      cfg.num_experts = experts_;
+      cfg.num_experts = kExperts;
       cfg.dtype = DataType::kFloat32;
       cfg.format = f;
       cfg.chunk_tokens = 8;  // several pipelined chunks per call
@@ -83,22 +80,22 @@ class MoeWorkload : public Workload {
   }
 
   // Nodes the all-to-all runs over (groups of equal size when nodes differ; moe_plan.h).
-  size_t nodes() const { return buffers_[0]->layout(nullptr, 0, experts_).tokens_per_node.size(); }
+  size_t nodes() const { return buffers_[0]->layout(nullptr, 0, kExperts).tokens_per_node.size(); }
 
   void step(int iter, uint32_t seed) override {
     using namespace moe_workload;
     const int n = comm_->size(), me = comm_->rank(), nodes = comm_->numNodes();
     const bool fp8 = iter % 2 == 1;
     MoeBuffer& buf = *buffers_[fp8 ? 1 : 0];
-    const int per_rank = experts_ / n;
-    auto mine = tokensFor(me, iter, seed, experts_, nodes);
+    const int per_rank = kExperts / n;
+    auto mine = tokensFor(me, iter, seed, kExperts, nodes);
     auto d = buf.dispatch(mine.x.data(), mine.n, mine.idx.data(), mine.w.data());
 
     // The rows this rank must receive, in (source rank, source token) order.
     const std::string what = fmt::format("rank {} step {} ({})", me, iter, fp8 ? "fp8" : "f32");
     size_t row = 0;
     for (int s = 0; s < n; ++s) {
-      auto src = s == me ? mine : tokensFor(s, iter, seed, experts_, nodes);
+      auto src = s == me ? mine : tokensFor(s, iter, seed, kExperts, nodes);
       for (size_t t = 0; t < src.n; ++t) {
         bool here = false;
         for (int j = 0; j < kTopk; ++j)
@@ -151,7 +148,9 @@ class MoeWorkload : public Workload {
 
  private:
   std::shared_ptr<Communicator> comm_;
-  int experts_ = 0;
+  // Divisible by every communicator size a trial has (1-8 ranks): the experts are spread
+  // again over the survivors.
+  static constexpr int kExperts = 840;
   std::vector<std::unique_ptr<MoeBuffer>> buffers_;
 };
 

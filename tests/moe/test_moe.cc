@@ -4,11 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <map>
 #include <numeric>
 
 #include "collectives/float_types.h"
 #include "collectives/moe/moe.h"
+#include "collectives/moe/moe_plan.h"
 #include "collectives/moe/routing.h"
 #include "comm/errors.h"
 #include "harness/multiprocess.h"
@@ -237,25 +237,17 @@ void runCase(MoeBuffer& buf, const Case& c, int me, int R, int L, PayloadFormat 
   }
 }
 
-// Ranks per node as the all-to-all sees them: the gcd of the node sizes (nodes of
-// different sizes run as groups of that many ranks; moe_plan.h).
-int groupSize(const Communicator& comm) {
-  std::map<int, int> per_node;
-  for (int r = 0; r < comm.size(); ++r) ++per_node[comm.nodeOf(r)];
-  int g = 0;
-  for (const auto& [node, n] : per_node) g = std::gcd(g, n);
-  return g;
-}
-
 void body(RankEnv& env) {
   auto comm = env.communicator();
-  const int R = comm->size(), L = groupSize(*comm), me = comm->rank();
-  const int N = R / L;
+  const int R = comm->size(), me = comm->rank();
   MoeConfig cfg;
   cfg.max_tokens = 32;
   cfg.hidden = 40;
   cfg.topk = 4;
   cfg.num_experts = 4 * R;
+  // Ranks per node as the all-to-all sees them (groups of equal size on uneven nodes).
+  const int L = makeTopology(*comm, cfg, "test").L;
+  const int N = R / L;
 
   auto bf = MoeBuffer::create(comm, cfg);
   runCase(*bf, Case{}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);

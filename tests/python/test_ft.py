@@ -70,6 +70,22 @@ def _run_forked(target, whos, tmp_path, timeout, env=None):
     return procs
 
 
+def _report(out, out_dir, who):
+    """A child's end: its outcome to <out_dir>/<who>.json (nothing is parsed from stdout)."""
+    with open(os.path.join(out_dir, f"{who}.json"), "w") as f:
+        json.dump(out, f)
+    os._exit(0)
+
+
+def _outcome(procs, tmp_path, who):
+    """The outcome `who` reported; it must have exited cleanly with no errors."""
+    path = tmp_path / f"{who}.json"
+    assert procs[who].exitcode == 0 and path.exists(), f"{who}: exit {procs[who].exitcode}"
+    out = json.loads(path.read_text())
+    assert out["errors"] == [], f"{who}: {out['errors']}"
+    return out
+
+
 def _batch(step, rank):
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
@@ -144,9 +160,7 @@ def _train(who, port, out_dir):
         g.close()
     except BaseException:  # noqa: BLE001 - reported through the file
         out["errors"].append(traceback.format_exc())
-    with open(os.path.join(out_dir, f"{who}.json"), "w") as f:
-        json.dump(out, f)
-    os._exit(0)
+    _report(out, out_dir, who)
 
 
 def _since_kill(store):
@@ -163,13 +177,10 @@ def test_training_survives_killed_rank_and_grows_back(tmp_path):
     victim_out = tmp_path / f"{VICTIM}.json"
     timings = []
     assert procs[VICTIM].exitcode == -signal.SIGKILL, victim_out.read_text() if victim_out.exists() else "no output"
-    for who, p in procs.items():
+    for who in procs:
         if who == VICTIM:
             continue
-        path = tmp_path / f"{who}.json"
-        assert p.exitcode == 0 and path.exists(), f"{who}: exit {p.exitcode}"
-        out = json.loads(path.read_text())
-        assert out["errors"] == [], f"{who}: {out['errors']}"
+        out = _outcome(procs, tmp_path, who)
         assert out["final"]["size"] == WORLD and out["final"]["step"] == STEPS, out
         if who == "joiner":
             assert out["sizes"] == [WORLD] and out["final"]["rank"] == WORLD - 1, out
@@ -217,9 +228,7 @@ def _torch_shrink(who, port, out_dir):
         g.close()
     except BaseException:  # noqa: BLE001 - reported through the file
         out["errors"].append(traceback.format_exc())
-    with open(os.path.join(out_dir, f"{who}.json"), "w") as f:
-        json.dump(out, f)
-    os._exit(0)
+    _report(out, out_dir, who)
 
 
 @pytest.mark.skipif(not hasattr(dist, "shrink_group"), reason="torch.distributed.shrink_group is new in torch 2.10")
@@ -227,10 +236,7 @@ def test_torch_shrink_group_runs_the_agreement(tmp_path):
     procs = _run_forked(_torch_shrink, range(3), tmp_path, timeout=120)
     assert procs[1].exitcode == -signal.SIGKILL
     for who in (0, 2):
-        path = tmp_path / f"{who}.json"
-        assert procs[who].exitcode == 0 and path.exists(), f"{who}: exit {procs[who].exitcode}"
-        out = json.loads(path.read_text())
-        assert out["errors"] == [], f"{who}: {out['errors']}"
+        out = _outcome(procs, tmp_path, who)
         assert out["faults"] == [[1, "dead"]], out
         new_rank = 0 if who == 0 else 1
         assert out["torch_group"] == [new_rank, 2], out
@@ -301,22 +307,17 @@ def _moe_train(who, port, out_dir):
         g.close()
     except BaseException:  # noqa: BLE001 - reported through the file
         out["errors"].append(traceback.format_exc())
-    with open(os.path.join(out_dir, f"{who}.json"), "w") as f:
-        json.dump(out, f)
-    os._exit(0)
+    _report(out, out_dir, who)
 
 
 def test_moe_survives_killed_rank_on_uneven_nodes_and_grows_back(tmp_path):
     procs = _run_forked(_moe_train, [*range(WORLD), "joiner"], tmp_path, timeout=240,
                         env={"CROSSBAR_RANKS_PER_NODE": "2"})
     assert procs[VICTIM].exitcode == -signal.SIGKILL
-    for who, p in procs.items():
+    for who in procs:
         if who == VICTIM:
             continue
-        path = tmp_path / f"{who}.json"
-        assert p.exitcode == 0 and path.exists(), f"{who}: exit {p.exitcode}"
-        out = json.loads(path.read_text())
-        assert out["errors"] == [], f"{who}: {out['errors']}"
+        out = _outcome(procs, tmp_path, who)
         assert out["final"]["size"] == WORLD, out
         if who == "joiner":
             assert out["sizes"] == [WORLD], out
