@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -149,9 +150,21 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm) {
   auto print = [&](const std::string& s) {
     if (me == 0) std::fputs(s.c_str(), stdout), std::fflush(stdout);
   };
-  print(fmt::format(
-      "# moe_dispatch_perf: {} ranks, {} nodes x {}, {} experts, top-{}, max nodes/token {}, zipf {}\n", R,
-      comm->numNodes(), comm->localSize(), E, o.topk, o.max_nodes, o.zipf));
+  std::string nodes;  // "2 nodes x 4", or the sizes of nodes that differ ("2 nodes of 4, 3")
+  {
+    std::map<int, int> per_node;
+    for (int r = 0; r < R; ++r) ++per_node[comm->nodeOf(r)];
+    std::string sizes;
+    bool even = true;
+    for (const auto& [node, n] : per_node) {
+      sizes += fmt::format("{}{}", sizes.empty() ? "" : ", ", n);
+      even = even && n == per_node.begin()->second;
+    }
+    nodes = even ? fmt::format("{} nodes x {}", per_node.size(), per_node.begin()->second)
+                 : fmt::format("{} nodes of {}", per_node.size(), sizes);
+  }
+  print(fmt::format("# moe_dispatch_perf: {} ranks, {}, {} experts, top-{}, max nodes/token {}, zipf {}\n", R,
+                    nodes, E, o.topk, o.max_nodes, o.zipf));
   print(fmt::format("# memory: {}\n", o.mem_cuda ? "cuda (CudaMoeBuffer; cached = dispatch with the cached handle)"
                                                   : "host (MoeBuffer)"));
   print(fmt::format("# quantized formats' io: {}\n",

@@ -1,9 +1,10 @@
 // Host path of the two-level MoE all-to-all (see moe.h). Phases of a dispatch:
-//   1. network: the tokens bound for node m go, once each, to the rank of node m with this
-//      rank's local index (one message per node: a count, then wire rows);
+//   1. network: the tokens bound for node m go, once each, to the rank of node m that
+//      forwards for this rank (MoeTopology::forwarderOn: the same local index on even nodes;
+//      one stream per node: a count, then wire rows);
 //   2. forward: every rank holds its "forwarded set" F (its own tokens for its node, then
-//      those each remote node sent it) and writes each row once per destination rank of its
-//      node into that rank's symmetric buffer (slot = the writer's local index);
+//      those each rank it forwards for sent it) and writes each row once per destination
+//      rank of its node into that rank's symmetric buffer (slot = the writer's local index);
 //   3. receive: rows are decoded in (source rank, token) order.
 // Combine runs the same paths backwards with f32 partial sums.
 #include "collectives/moe/moe.h"
@@ -62,8 +63,9 @@ struct MoeHandle {
   size_t tokens = 0, num_recv = 0;
   size_t chunk = 1;                             // rows per network chunk this rank sends
   std::vector<std::vector<int32_t>> node_send;  // [node]: own tokens bound for it, in order
-  // F, the rows this rank forwards: node m's are F[fwd_start[m], + fwd_count[m]), sent to us
-  // in chunks of fwd_chunk[m] rows (the own node's block first).
+  // F, the rows this rank forwards, a block per source (MoeTopology::fwd_sources; [0] is the
+  // own rows for this node): source s's are F[fwd_start[s], + fwd_count[s]), sent to us in
+  // chunks of fwd_chunk[s] rows.
   std::vector<size_t> fwd_start, fwd_count, fwd_chunk;
   std::vector<std::vector<int32_t>> fwd_to_local;  // [local j]: F indices written to local rank j, in order
   std::vector<std::vector<int32_t>> recv_rows;     // [local j]: output row of forwarder j's p-th row
@@ -92,7 +94,7 @@ size_t dataChunks(size_t rows, size_t chunk) {
   return (rows + chunk - 1) / chunk;
 }
 // A dispatch slot (one per forwarder in each rank's buffer) starts with a header:
-// [rows written so far][state][rows per source node x N], then the rows. State: the
+// [rows written so far][state][rows per source rank x R], then the rows. State: the
 // forwarder's signals this call (low 32 bits) and these flags.
 constexpr uint64_t kSlotCounts = uint64_t{1} << 32;  // rows per source node are filled in
 constexpr uint64_t kSlotFinal = uint64_t{1} << 33;   // every row is in
@@ -255,7 +257,8 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
     im->payload_bytes = f.payload_bytes;
     im->row = f.row;
   }
-  im->fmax = static_cast<size_t>(im->N) * cfg.max_tokens;
+  // A forwarder's F: at most max_tokens rows from each source it forwards for.
+  im->fmax = static_cast<size_t>(im->topo.max_sources) * cfg.max_tokens;
   {
     const int64_t ct = cfg.chunk_tokens != -1 ? cfg.chunk_tokens : env::getInt("CROSSBAR_MOE_CHUNK_TOKENS");
     if (ct < 0)
@@ -265,7 +268,7 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
     im->chunk = ct == 0 ? cfg.max_tokens : std::min<size_t>(static_cast<size_t>(ct), cfg.max_tokens);
     im->chunk = std::max(im->chunk, (cfg.max_tokens + kMaxChunks - 1) / kMaxChunks);
   }
-  im->slot_hdr = align16(16 + 8 * static_cast<size_t>(im->N));
+  im->slot_hdr = align16(16 + 8 * static_cast<size_t>(im->R));
   im->dslot = im->slot_hdr + im->fmax * im->row;
   {
     const int64_t mb = env::getInt("CROSSBAR_MOE_NET_MESSAGE_BYTES");
@@ -283,11 +286,13 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
   ho.name = "moe";
   ho.remote_access = false;  // off-node traffic goes through the communicator's p2p
   im->heap = symm::SymmetricHeap::create(comm, ho);
-  im->dbuf = im->heap.allocate(static_cast<size_t>(im->L) * im->dslot);
-  im->cbuf = im->heap.allocate(static_cast<size_t>(im->L) * im->cslot);
+  // A slot per forwarder of the largest node: the same size on every rank.
+  im->dbuf = im->heap.allocate(static_cast<size_t>(im->topo.max_node) * im->dslot);
+  im->cbuf = im->heap.allocate(static_cast<size_t>(im->topo.max_node) * im->cslot);
   im->net_send.resize(im->N);
-  im->net_recv.resize(im->N);
-  CB_INFO("moe", "MoE buffer: {} experts, top-{}, hidden {}, {} ({}), {} nodes x {} ranks, row {} B",
+  im->net_recv.resize(im->topo.fwd_sources.size());
+  CB_INFO("moe",
+          "MoE buffer: {} experts, top-{}, hidden {}, {} ({}), {} nodes, {} ranks on this one, row {} B",
           cfg.num_experts, cfg.topk, cfg.hidden, payloadFormatName(cfg.format),
           cfg.dtype == DataType::kFloat32 ? "f32" : "bf16", im->N, im->L, im->row);
   return std::unique_ptr<MoeBuffer>(new MoeBuffer(std::move(im)));
@@ -470,29 +475,36 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
     }
   };
 
-  // 1. network. Per remote node a header message [rows, chunk rows, rows for each local rank
-  // of that node] (tiny: sent eagerly, it arrives ahead of any bulk data), then the rows in
+  // 1. network. To each remote node's forwarder a header message [rows, chunk rows, rows for
+  // each local rank of that node] (tiny: sent eagerly, it arrives ahead of any bulk data), and
+  // from each source this rank forwards for the same about this node; then the rows in
   // chunks of C on tags tag+1, tag+2, ..., chunk-major (chunk c of every node is encoded and
   // sent before chunk c+1). A receiver posts all chunk receives as soon as the header is in,
   // so no chunk's rendezvous waits for a receive posted late (its reply would queue behind the
   // reverse direction's bulk data on a congested link).
   const size_t C = im.chunk;
-  const size_t hw = 2 + static_cast<size_t>(im.L);  // header words
-  std::vector<uint64_t> hdr_out(static_cast<size_t>(im.N) * hw, 0), hdr_in(hdr_out.size(), 0);
-  std::vector<RequestPtr> sends, hdr_req(im.N);
+  const auto& sources = im.topo.fwd_sources;  // [stream]: 0 is this rank's own rows
+  const size_t S = sources.size();
+  const size_t how = 2 + static_cast<size_t>(im.topo.max_node);  // header words out (a node's size at most)
+  const size_t hw = 2 + static_cast<size_t>(im.L);               // header words in (about this node)
+  std::vector<uint64_t> hdr_out(static_cast<size_t>(im.N) * how, 0), hdr_in(S * hw, 0);
+  std::vector<RequestPtr> sends, hdr_req(S);
   size_t rounds = 0;
+  for (size_t st = 1; st < S; ++st) {
+    hdr_req[st] = im.comm->irecv(hdr_in.data() + st * hw, hw * 8, sources[st], tag);
+    im.net_recv[st].resize(cfg.max_tokens * row);
+  }
   for (int m = 0; m < im.N; ++m) {
     if (m == im.me_node) continue;
-    const int peer = im.node_ranks[m][im.me_local];
-    hdr_req[m] = im.comm->irecv(hdr_in.data() + m * hw, hw * 8, peer, tag);
     const auto& list = h->node_send[m];
-    uint64_t* ho = hdr_out.data() + m * hw;
+    const auto& there = im.node_ranks[m];
+    uint64_t* ho = hdr_out.data() + m * how;
     ho[0] = list.size();
     ho[1] = C;
-    for (int l = 0; l < im.L; ++l) ho[2 + l] = static_cast<uint64_t>(h->stats.tokens_per_rank[im.node_ranks[m][l]]);
-    sends.push_back(im.comm->isend(ho, hw * 8, peer, tag));
+    for (size_t l = 0; l < there.size(); ++l)
+      ho[2 + l] = static_cast<uint64_t>(h->stats.tokens_per_rank[there[l]]);
+    sends.push_back(im.comm->isend(ho, (2 + there.size()) * 8, im.topo.forwarderOn(m, im.rank), tag));
     im.net_send[m].resize(list.size() * row);
-    im.net_recv[m].resize(cfg.max_tokens * row);
     rounds = std::max(rounds, dataChunks(list.size(), C));
     res.metrics.inter_node_bytes += list.size() * row;
   }
@@ -505,13 +517,13 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       uint8_t* buf = im.net_send[m].data();
       for (size_t i = lo; i < hi; ++i) encodeInto(list[i], buf + i * row);
       clk.lap("encode");
-      im.sendPieces(sends, buf + lo * row, (hi - lo) * row, im.node_ranks[m][im.me_local],
+      im.sendPieces(sends, buf + lo * row, (hi - lo) * row, im.topo.forwarderOn(m, im.rank),
                     tag + 1 + static_cast<uint32_t>(c));
       pump(sends);
       clk.lap("post");
     }
 
-  // 2. forward: F = own rows for this node, then each remote node's rows (block per node).
+  // 2. forward: F = own rows for this node, then each source's rows (block per source).
   // Every row goes once to each local rank holding one of its experts, written into that
   // rank's slot for this forwarder, with its index among the rows of its source for that
   // rank in RowHeader::reserved. Own rows go first (the network is busy meanwhile), then the
@@ -526,7 +538,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
   std::vector<char*> slot(im.L);  // our slot in each local rank's buffer
   std::vector<size_t> pos(im.L, 0);
   std::vector<uint32_t> nsig(im.L, 0);
-  std::vector<int32_t> blk(static_cast<size_t>(im.L) * im.N, 0);  // [local j][source node]: rows so far
+  std::vector<int32_t> blk(static_cast<size_t>(im.L) * im.R, 0);  // [local j][source rank]: rows so far
   for (int j = 0; j < im.L; ++j) {
     slot[j] = im.dbuf->peer<char>(im.node_ranks[im.me_node][j], static_cast<size_t>(im.me_local) * im.dslot);
     std::memset(slot[j], 0, im.slot_hdr);
@@ -542,7 +554,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
   };
   h->fwd_to_local.assign(im.L, {});
   std::vector<int64_t> mark(im.L, -1);
-  auto forward = [&](size_t f, const uint8_t* rec, int src_node) {
+  auto forward = [&](size_t f, const uint8_t* rec, int src) {
     const auto* idx = reinterpret_cast<const int64_t*>(rec + im.off_topk);
     for (size_t j = 0; j < k; ++j) {
       if (idx[j] < 0 || idx[j] >= cfg.num_experts) continue;
@@ -553,25 +565,25 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       mark[lj] = static_cast<int64_t>(f);
       char* dst = slot[lj] + im.slot_hdr + pos[lj] * row;
       std::memcpy(dst, rec, row);
-      const int32_t in_block = blk[static_cast<size_t>(lj) * im.N + src_node]++;
+      const int32_t in_block = blk[static_cast<size_t>(lj) * im.R + src]++;
       std::memcpy(dst + offsetof(RowHeader, reserved), &in_block, 4);
       ++pos[lj];
       h->fwd_to_local[lj].push_back(static_cast<int32_t>(f));
     }
   };
-  h->fwd_start.assign(im.N, 0);
-  h->fwd_count.assign(im.N, 0);
-  h->fwd_chunk.assign(im.N, C);
+  h->fwd_start.assign(S, 0);
+  h->fwd_count.assign(S, 0);
+  h->fwd_chunk.assign(S, C);
   {
     const auto& own = h->node_send[im.me_node];
-    h->fwd_count[im.me_node] = own.size();
+    h->fwd_count[0] = own.size();
     for (size_t i = 0; i < own.size(); ++i) {
       encodedRow(own[i]);
       if (i % 8 == 7) pump(sends);
     }
     clk.lap("encode");
     for (size_t i = 0; i < own.size(); ++i) {
-      forward(i, encodedRow(own[i]), im.me_node);
+      forward(i, encodedRow(own[i]), im.rank);
       if (i % 8 == 7) pump(sends);
     }
     clk.lap("forward");
@@ -613,7 +625,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       s.state = state;
       if ((state & kSlotCounts) && !s.counts) {
         s.counts = true;
-        for (int m = 0; m < im.N; ++m) src_count[im.node_ranks[m][j]] = static_cast<int64_t>(sh[2 + m]);
+        for (int src : im.topo.sources_via[j]) src_count[src] = static_cast<int64_t>(sh[2 + src]);
       }
       if (state & kSlotFinal) {
         s.final = true;
@@ -634,7 +646,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       h->recv_rows.assign(im.L, {});
       for (int j = 0; j < im.L; ++j) {
         size_t cnt = 0;
-        for (int m = 0; m < im.N; ++m) cnt += static_cast<size_t>(src_count[im.node_ranks[m][j]]);
+        for (int src : im.topo.sources_via[j]) cnt += static_cast<size_t>(src_count[src]);
         if (cached && cnt != cached->recv_rows[j].size())
           throw InvalidUsage(im.ctx(op) + fmt::format("rank {} forwards {} rows where the cached handle "
                                                       "expects {}",
@@ -662,8 +674,8 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
         const uint8_t* rec = reinterpret_cast<const uint8_t*>(base + s.decoded * row);
         RowHeader hd;
         std::memcpy(&hd, rec, sizeof hd);
-        if (hd.src_rank < 0 || hd.src_rank >= im.R || im.local_of[hd.src_rank] != j || hd.reserved < 0 ||
-            hd.reserved >= src_count[hd.src_rank])
+        if (hd.src_rank < 0 || hd.src_rank >= im.R || im.topo.forwarderLocal(hd.src_rank) != j ||
+            hd.reserved < 0 || hd.reserved >= src_count[hd.src_rank])
           throw InternalError(im.ctx(op) + fmt::format("rank {} forwarded a row of rank {} (index {}) that "
                                                        "was not announced",
                                                        im.node_ranks[im.me_node][j], hd.src_rank, hd.reserved));
@@ -698,23 +710,22 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
 
   // Headers, then rows as they arrive; between them, decode what the forwarders published.
   // A row is forwarded as soon as the messages holding its bytes are in, not when its whole
-  // chunk is: a chunk is several messages (net_msg), received in order into net_recv[m].
+  // chunk is: a chunk is several messages (net_msg), received in order into net_recv[stream].
   struct NetIn {
     std::vector<RequestPtr> pieces;  // every chunk's messages, in byte order
     std::vector<size_t> end;         // [piece]: bytes of net_recv[m] complete once it is in
     size_t next = 0;                 // pieces in so far (a prefix)
     size_t forwarded = 0;            // rows forwarded so far
   };
-  std::vector<NetIn> net_in(im.N);
-  std::vector<uint8_t> header_in(im.N, 0);
-  int headers_left = im.N - 1;
+  std::vector<NetIn> net_in(S);
+  std::vector<uint8_t> header_in(S, 0);
+  size_t headers_left = S - 1;
   bool counts_out = false, final_out = false;
   auto pendingRecv = [&]() -> RequestPtr {
-    for (int m = 0; m < im.N; ++m) {
-      if (m == im.me_node) continue;
-      if (!header_in[m]) return hdr_req[m];
-      for (size_t p = net_in[m].next; p < net_in[m].pieces.size(); ++p)
-        if (!net_in[m].pieces[p]->done()) return net_in[m].pieces[p];
+    for (size_t st = 1; st < S; ++st) {
+      if (!header_in[st]) return hdr_req[st];
+      for (size_t p = net_in[st].next; p < net_in[st].pieces.size(); ++p)
+        if (!net_in[st].pieces[p]->done()) return net_in[st].pieces[p];
     }
     return nullptr;
   };
@@ -728,51 +739,44 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
   };
   while (true) {
     bool moved = false;
-    for (int m = 0; m < im.N && headers_left > 0; ++m) {
-      if (m == im.me_node || header_in[m] || !hdr_req[m]->test()) continue;
-      const int peer = im.node_ranks[m][im.me_local];
-      const uint64_t* hi = hdr_in.data() + m * hw;
+    for (size_t st = 1; st < S && headers_left > 0; ++st) {
+      if (header_in[st] || !hdr_req[st]->test()) continue;
+      const int peer = sources[st];
+      const uint64_t* hi = hdr_in.data() + st * hw;
       const uint64_t count = hi[0], cm = hi[1];
       if (count > cfg.max_tokens || cm == 0 || dataChunks(count, cm) > kMaxChunks)
         throw InternalError(im.ctx(op) + fmt::format("rank {} sent a bad header: {} rows in chunks of {} "
                                                      "(max_tokens {})",
                                                      peer, count, cm, cfg.max_tokens));
-      if (cached && count != cached->fwd_count[m])
+      if (cached && count != cached->fwd_count[st])
         throw InvalidUsage(im.ctx(op) +
                            fmt::format("rank {} sent {} rows where the cached handle expects {}: every "
                                        "rank must pass a handle of the same earlier dispatch",
-                                       peer, count, cached->fwd_count[m]));
-      h->fwd_count[m] = count;
-      h->fwd_chunk[m] = cm;
-      NetIn& in = net_in[m];
+                                       peer, count, cached->fwd_count[st]));
+      h->fwd_count[st] = count;
+      h->fwd_chunk[st] = cm;
+      NetIn& in = net_in[st];
       for (size_t c = 0, nc = dataChunks(count, cm); c < nc; ++c) {
         const size_t lo = c * cm, hi_row = std::min<size_t>(count, lo + cm);
         const size_t bytes = (hi_row - lo) * row, step = im.pieceBytes(bytes);
         auto pieces =
-            im.recvPieces(im.net_recv[m].data() + lo * row, bytes, peer, tag + 1 + static_cast<uint32_t>(c));
+            im.recvPieces(im.net_recv[st].data() + lo * row, bytes, peer, tag + 1 + static_cast<uint32_t>(c));
         for (size_t p = 0; p < pieces.size(); ++p) {  // piece p: the chunk's bytes [p * step, (p + 1) * step)
           in.end.push_back(lo * row + std::min(bytes, (p + 1) * step));
           in.pieces.push_back(std::move(pieces[p]));
         }
       }
-      header_in[m] = 1;
+      header_in[st] = 1;
       --headers_left;
       moved = true;
     }
     if (headers_left == 0 && !counts_out) {
-      // F order: own block, then the remote nodes' blocks in node order.
-      size_t next_f = h->fwd_count[im.me_node];
-      for (int m = 0; m < im.N; ++m)
-        if (m != im.me_node) {
-          h->fwd_start[m] = next_f;
-          next_f += h->fwd_count[m];
-        }
+      // F order: own block, then the sources' blocks in stream (rank) order.
+      for (size_t st = 1; st < S; ++st) h->fwd_start[st] = h->fwd_start[st - 1] + h->fwd_count[st - 1];
       for (int lj = 0; lj < im.L; ++lj) {
         auto* sh = reinterpret_cast<uint64_t*>(slot[lj]);
-        for (int m = 0; m < im.N; ++m)
-          sh[2 + m] = m == im.me_node
-                          ? static_cast<uint64_t>(h->stats.tokens_per_rank[im.node_ranks[im.me_node][lj]])
-                          : hdr_in[m * hw + 2 + lj];
+        sh[2 + im.rank] = static_cast<uint64_t>(h->stats.tokens_per_rank[im.node_ranks[im.me_node][lj]]);
+        for (size_t st = 1; st < S; ++st) sh[2 + sources[st]] = hdr_in[st * hw + 2 + lj];
         publish(lj, kSlotCounts);
       }
       counts_out = true;
@@ -781,9 +785,8 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
     }
     if (counts_out && !final_out) {
       bool fwd_any = false;
-      for (int m = 0; m < im.N; ++m) {
-        if (m == im.me_node) continue;
-        NetIn& in = net_in[m];
+      for (size_t st = 1; st < S; ++st) {
+        NetIn& in = net_in[st];
         // test(), not done(): a piece another request's progress failed must throw here, not be
         // forwarded as rows.
         while (in.next < in.pieces.size() && in.pieces[in.next]->test()) ++in.next;
@@ -791,7 +794,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
         if (rows_in == in.forwarded) continue;
         clk.lap("wait net");
         for (size_t i = in.forwarded; i < rows_in; ++i) {
-          forward(h->fwd_start[m] + i, im.net_recv[m].data() + i * row, m);
+          forward(h->fwd_start[st] + i, im.net_recv[st].data() + i * row, sources[st]);
           if (i % 8 == 7) pump(sends);
         }
         in.forwarded = rows_in;
@@ -805,8 +808,8 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       // Final only once every row is forwarded: a message that completed after the loop above
       // (progressed by another request's test) is in, but its rows are not yet forwarded.
       bool all_forwarded = headers_left == 0;
-      for (int m = 0; m < im.N; ++m)
-        if (m != im.me_node && net_in[m].forwarded < h->fwd_count[m]) all_forwarded = false;
+      for (size_t st = 1; st < S; ++st)
+        if (net_in[st].forwarded < h->fwd_count[st]) all_forwarded = false;
       if (all_forwarded) {
         for (int lj = 0; lj < im.L; ++lj) publish(lj, kSlotFinal);
         final_out = true;
@@ -821,10 +824,10 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
     if (moved) continue;
     if (dl.expired()) {
       std::string missing;
-      for (int m = 0; m < im.N; ++m)
-        if (m != im.me_node && (!header_in[m] || net_in[m].forwarded < h->fwd_count[m]))
-          missing += fmt::format(" rows from rank {} ({}/{} rows);", im.node_ranks[m][im.me_local],
-                                 net_in[m].forwarded, header_in[m] ? std::to_string(h->fwd_count[m]) : "?");
+      for (size_t st = 1; st < S; ++st)
+        if (!header_in[st] || net_in[st].forwarded < h->fwd_count[st])
+          missing += fmt::format(" rows from rank {} ({}/{} rows);", sources[st], net_in[st].forwarded,
+                                 header_in[st] ? std::to_string(h->fwd_count[st]) : "?");
       for (int j = 0; j < im.L; ++j)
         if (!ff[j].done)
           missing += fmt::format(" rows forwarded by local rank {} ({} so far{});",
@@ -984,7 +987,8 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
     for (size_t lo = 0, c = 0; lo < count; lo += h.chunk, ++c) {
       const size_t rows = std::min(h.chunk, count - lo);
       recv_chunks[m].push_back(im.recvPieces(back[m].data() + lo * H * ws, rows * H * ws,
-                                             im.node_ranks[m][im.me_local], tag + static_cast<uint32_t>(c)));
+                                             im.topo.forwarderOn(m, im.rank),
+                                             tag + static_cast<uint32_t>(c)));
       recvs[m].insert(recvs[m].end(), recv_chunks[m].back().begin(), recv_chunks[m].back().end());
     }
   }
@@ -992,7 +996,10 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
 
   // 2. as forwarder: wait for the node's partials, sum them per F row (in local-rank order, so
   // the result does not depend on the chunk size), and send each remote node's chunk as soon as
-  // it is summed: chunk k crosses the network while chunk k+1 is being summed.
+  // it is summed: chunk k crosses the network while chunk k+1 is being summed. Streams as in
+  // dispatch: [0] the own rows, then one per source this rank forwards for.
+  const auto& sources = im.topo.fwd_sources;
+  const size_t S = sources.size();
   for (int j = 0; j < im.L; ++j) {
     int d = im.node_ranks[im.me_node][j];
     // One kCombineData signal per call from every local rank (a counter, never consumed).
@@ -1024,30 +1031,29 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   };
   std::vector<RequestPtr> sends;
   size_t rounds = 0;
-  for (int m = 0; m < im.N; ++m)
-    if (m != im.me_node && h.fwd_count[m] > 0)
-      rounds = std::max(rounds, dispatchChunks(h.fwd_count[m], h.fwd_chunk[m]));
+  for (size_t st = 1; st < S; ++st)
+    if (h.fwd_count[st] > 0) rounds = std::max(rounds, dispatchChunks(h.fwd_count[st], h.fwd_chunk[st]));
   for (size_t c = 0; c < rounds; ++c)
-    for (int m = 0; m < im.N; ++m) {
-      const size_t count = h.fwd_count[m], cm = h.fwd_chunk[m], lo = c * cm;
-      if (m == im.me_node || lo >= count) continue;
+    for (size_t st = 1; st < S; ++st) {
+      const size_t count = h.fwd_count[st], cm = h.fwd_chunk[st], lo = c * cm;
+      if (lo >= count) continue;
       const size_t hi = std::min(count, lo + cm);
-      for (size_t i = lo; i < hi; ++i) reduce(h.fwd_start[m] + i);
-      const void* src = acc.data() + (h.fwd_start[m] + lo) * H;
+      for (size_t i = lo; i < hi; ++i) reduce(h.fwd_start[st] + i);
+      const void* src = acc.data() + (h.fwd_start[st] + lo) * H;
       if (wire16) {
-        auto* b = reinterpret_cast<BFloat16*>(acc16.data()) + (h.fwd_start[m] + lo) * H;
-        roundRowHost(b, acc.data() + (h.fwd_start[m] + lo) * H, (hi - lo) * H);
+        auto* b = reinterpret_cast<BFloat16*>(acc16.data()) + (h.fwd_start[st] + lo) * H;
+        roundRowHost(b, acc.data() + (h.fwd_start[st] + lo) * H, (hi - lo) * H);
         src = b;
       }
       clk.lap("reduce");
-      im.sendPieces(sends, static_cast<const uint8_t*>(src), (hi - lo) * H * ws, im.node_ranks[m][im.me_local],
+      im.sendPieces(sends, static_cast<const uint8_t*>(src), (hi - lo) * H * ws, sources[st],
                     tag + static_cast<uint32_t>(c));
       res.metrics.inter_node_bytes += (hi - lo) * H * ws;
       pump(sends);
       clk.lap("post");
     }
-  for (size_t i = 0; i < h.fwd_count[im.me_node]; ++i) {
-    reduce(h.fwd_start[im.me_node] + i);
+  for (size_t i = 0; i < h.fwd_count[0]; ++i) {
+    reduce(h.fwd_start[0] + i);
     if (i % 8 == 7) pump(sends);
   }
   clk.lap("reduce");
@@ -1071,7 +1077,7 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
       }
       float* o = res.out.data() + static_cast<size_t>(list[i]) * H;
       if (own || !wire16) {
-        const float* s = own ? acc.data() + (h.fwd_start[m] + i) * H
+        const float* s = own ? acc.data() + (h.fwd_start[0] + i) * H
                              : reinterpret_cast<const float*>(back[m].data()) + i * H;
         addRowHost(o, s, H);
       } else {

@@ -43,42 +43,43 @@ MoeTopology makeTopology(const Communicator& comm, const MoeConfig& cfg, const c
     if (added) hosts.emplace_back();
     hosts[it->second].push_back(r);
   }
-  // The all-to-all pairs ranks of equal local index across nodes, so its nodes must be of
-  // one size. Nodes of different sizes (a shrunk fault-tolerant communicator, an uneven
-  // launch) are split into groups of the gcd of their sizes, each group a node here: still
-  // correct, but a token then crosses the network once per destination group, and groups
-  // of one physical node exchange through the communicator's shared-memory p2p.
-  size_t g = 0;
-  for (const auto& h : hosts) g = std::gcd(g, h.size());
-  if (std::any_of(hosts.begin(), hosts.end(), [&](const auto& h) { return h.size() != g; })) {
-    t.uneven_nodes = true;
-    if (t.rank == 0) {
-      std::string sizes;
-      for (const auto& h : hosts) sizes += fmt::format("{}{}", sizes.empty() ? "" : ", ", h.size());
-      CB_WARN("moe",
-              "{}nodes of {} ranks: the two-level all-to-all runs over groups of {} (a token crosses "
-              "the network once per destination group, not once per node) until every node has as many "
-              "ranks as the others (e.g. after ft grow())",
-              ctx, sizes, g);
-    }
-    for (const auto& h : hosts)
-      for (size_t first = 0; first < h.size(); first += g)
-        t.node_ranks.emplace_back(h.begin() + static_cast<std::ptrdiff_t>(first),
-                                  h.begin() + static_cast<std::ptrdiff_t>(first + g));
-  } else {
-    t.node_ranks = std::move(hosts);
-  }
+  t.node_ranks = std::move(hosts);
   t.N = static_cast<int>(t.node_ranks.size());
-  t.L = static_cast<int>(t.node_ranks[0].size());
   t.node_of.resize(t.R);
   t.local_of.resize(t.R);
-  for (int m = 0; m < t.N; ++m)
-    for (int l = 0; l < t.L; ++l) {
+  for (int m = 0; m < t.N; ++m) {
+    t.max_node = std::max(t.max_node, static_cast<int>(t.node_ranks[m].size()));
+    for (size_t l = 0; l < t.node_ranks[m].size(); ++l) {
       t.node_of[t.node_ranks[m][l]] = m;
-      t.local_of[t.node_ranks[m][l]] = l;
+      t.local_of[t.node_ranks[m][l]] = static_cast<int>(l);
     }
+  }
   t.me_node = t.node_of[t.rank];
   t.me_local = t.local_of[t.rank];
+  t.L = static_cast<int>(t.node_ranks[t.me_node].size());
+  t.uneven_nodes = std::any_of(t.node_ranks.begin(), t.node_ranks.end(),
+                               [&](const auto& n) { return static_cast<int>(n.size()) != t.L; });
+  // Who forwards for whom, from every rank's point of view (max_sources must agree everywhere).
+  std::vector<int> sources(t.R, 1);  // [rank]: sources it forwards for, itself included
+  for (int s = 0; s < t.R; ++s)
+    for (int m = 0; m < t.N; ++m)
+      if (m != t.node_of[s]) ++sources[t.forwarderOn(m, s)];
+  t.max_sources = *std::max_element(sources.begin(), sources.end());
+  t.fwd_sources.push_back(t.rank);
+  t.sources_via.resize(t.L);
+  for (int s = 0; s < t.R; ++s) {
+    const int f = t.node_of[s] == t.me_node ? s : t.forwarderOn(t.me_node, s);
+    t.sources_via[t.local_of[f]].push_back(s);
+    if (f == t.rank && s != t.rank) t.fwd_sources.push_back(s);
+  }
+  if (t.uneven_nodes && t.rank == 0) {
+    std::string sizes;
+    for (const auto& n : t.node_ranks) sizes += fmt::format("{}{}", sizes.empty() ? "" : ", ", n.size());
+    CB_INFO("moe",
+            "{}nodes of {} ranks: a smaller node's ranks forward for up to {} ranks of a larger node "
+            "(tokens still cross the network once per destination node)",
+            ctx, sizes, t.max_sources - 1);
+  }
   return t;
 }
 

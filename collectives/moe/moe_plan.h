@@ -14,19 +14,34 @@
 
 namespace crossbar::moe {
 
-// Nodes in order of their first rank; every node has L ranks (the forwarder of local index
-// l exists on every node). Expert e lives on rank e / epr. Physical nodes of different
-// sizes are split into groups of the gcd of their sizes (uneven_nodes), and those groups
-// are the nodes here.
+// Nodes in order of their first rank (they may differ in size: a shrunk fault-tolerant
+// communicator, an uneven launch). Expert e lives on rank e / epr. Rank s's tokens for node m
+// cross the network once, to m's rank with local index s mod |m| (s's own local index when
+// the nodes are even), which writes them into the buffers of the ranks of m holding their
+// experts: that rank forwards for s.
 struct MoeTopology {
-  int rank = 0, R = 1, N = 1, L = 1, me_node = 0, me_local = 0, epr = 1;
+  int rank = 0, R = 1, N = 1, me_node = 0, me_local = 0, epr = 1;
+  int L = 1;            // ranks on this rank's node
+  int max_node = 1;     // ranks on the largest node (sizes the symmetric buffers alike everywhere)
+  int max_sources = 1;  // the most sources any rank forwards for (its own rows included)
   bool uneven_nodes = false;
   std::vector<std::vector<int>> node_ranks;  // [node index][local index] -> rank
   std::vector<int> node_of;                  // rank -> node index
   std::vector<int> local_of;                 // rank -> local index in its node
+  // [0] this rank, then the remote ranks whose tokens for this node it forwards, in rank order.
+  std::vector<int> fwd_sources;
+  // [local j]: the ranks (any node) whose rows local rank j forwards to this node's ranks.
+  std::vector<std::vector<int>> sources_via;
   int rankOfExpert(int64_t e) const { return static_cast<int>(e / epr); }
   // The rank of this rank's node with local index j.
   int localRank(int j) const { return node_ranks[me_node][j]; }
+  // The rank of node m that forwards `src`'s tokens for m.
+  int forwarderOn(int m, int src) const {
+    const auto& n = node_ranks[m];
+    return n[static_cast<size_t>(local_of[src]) % n.size()];
+  }
+  // Local index (on this rank's node) of the rank that forwards `src`'s rows here.
+  int forwarderLocal(int src) const { return local_of[src] % L; }
 };
 
 // Validates cfg for `comm` (InvalidArgument / Unsupported naming rank and operation) and

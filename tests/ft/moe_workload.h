@@ -79,7 +79,7 @@ class MoeWorkload : public Workload {
     }
   }
 
-  // Nodes the all-to-all runs over (groups of equal size when nodes differ; moe_plan.h).
+  // Nodes the all-to-all runs over (the communicator's nodes, even when they differ in size).
   size_t nodes() const { return buffers_[0]->layout(nullptr, 0, kExperts).tokens_per_node.size(); }
 
   void step(int iter, uint32_t seed) override {

@@ -4,11 +4,14 @@
 #pragma once
 
 #include <cstring>
+#include <map>
+#include <numeric>
 #include <vector>
 
 #include "collectives/dtype.h"
 #include "collectives/float_types.h"
 #include "collectives/moe/routing.h"
+#include "comm/communicator.h"
 
 namespace crossbar::moe::testinput {
 
@@ -20,6 +23,17 @@ struct Input {
   std::vector<int64_t> idx;
   std::vector<float> w;
 };
+
+// Ranks per routing group of the generated inputs (node-limited routing, "every node"): the
+// gcd of the node sizes, the same on every rank when nodes differ in size (each group lies in
+// one node, so a route over every group reaches every node).
+inline int routingGroupSize(const Communicator& comm) {
+  std::map<int, int> per_node;
+  for (int r = 0; r < comm.size(); ++r) ++per_node[comm.nodeOf(r)];
+  int g = 0;
+  for (const auto& [node, n] : per_node) g = std::gcd(g, n);
+  return g;
+}
 
 inline size_t tokensOf(int rank) {
   return rank == 1 ? 0 : 5 + 3 * static_cast<size_t>(rank);

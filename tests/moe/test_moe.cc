@@ -12,6 +12,7 @@
 #include "collectives/moe/routing.h"
 #include "comm/errors.h"
 #include "harness/multiprocess.h"
+#include "moe_test_inputs.h"
 
 namespace crossbar::moe {
 namespace {
@@ -130,7 +131,9 @@ std::vector<float> roundTrip(const Input& in, size_t t, size_t H, PayloadFormat 
 }
 
 // Dispatch + combine of one case on one buffer; checks everything against the reference.
-void runCase(MoeBuffer& buf, const Case& c, int me, int R, int L, PayloadFormat f, DataType dt) {
+// node_of: each rank's physical node (Communicator::nodeOf).
+void runCase(MoeBuffer& buf, const Case& c, int me, int R, int L, const std::vector<int>& node_of,
+             PayloadFormat f, DataType dt) {
   SCOPED_TRACE(::testing::Message() << "route " << static_cast<int>(c.route) << " format "
                                     << payloadFormatName(f));
   const size_t H = c.hidden;
@@ -231,7 +234,20 @@ void runCase(MoeBuffer& buf, const Case& c, int me, int R, int L, PayloadFormat 
       }
     }
     if (pass == 0 && R / L > 1) {
-      EXPECT_EQ(d.metrics.inter_node_bytes, lay.remote_token_node_pairs * buf.rowBytes());
+      // One network row per (token, remote physical node holding one of its experts).
+      uint64_t pairs = 0;
+      for (size_t t = 0; t < mine.tokens; ++t) {
+        std::vector<int> nodes;
+        for (int j = 0; j < k; ++j) {
+          const int64_t e = mine.idx[t * k + j];
+          if (e < 0) continue;
+          const int n = node_of[e / epr];
+          if (n != node_of[me] && std::find(nodes.begin(), nodes.end(), n) == nodes.end()) nodes.push_back(n);
+        }
+        pairs += nodes.size();
+      }
+      EXPECT_EQ(lay.remote_token_node_pairs, pairs);
+      EXPECT_EQ(d.metrics.inter_node_bytes, pairs * buf.rowBytes());
       EXPECT_GE(d.metrics.network_dedup, 1.0);
     }
   }
@@ -245,17 +261,22 @@ void body(RankEnv& env) {
   cfg.hidden = 40;
   cfg.topk = 4;
   cfg.num_experts = 4 * R;
-  // Ranks per node as the all-to-all sees them (groups of equal size on uneven nodes).
-  const int L = makeTopology(*comm, cfg, "test").L;
+  // Ranks per routing group of the inputs (the node size, or the gcd of uneven nodes' sizes).
+  const int L = testinput::routingGroupSize(*comm);
+  std::vector<int> node_of(R);
+  for (int r = 0; r < R; ++r) node_of[r] = comm->nodeOf(r);
   const int N = R / L;
 
   auto bf = MoeBuffer::create(comm, cfg);
-  runCase(*bf, Case{}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);
-  runCase(*bf, Case{.route = Route::kNodeLimited}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);
-  runCase(*bf, Case{.zero_tokens = true}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);
-  runCase(*bf, Case{.route = Route::kOneExpert}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);
+  runCase(*bf, Case{}, me, R, L, node_of, PayloadFormat::kNative, DataType::kBFloat16);
+  runCase(*bf, Case{.route = Route::kNodeLimited}, me, R, L, node_of, PayloadFormat::kNative,
+          DataType::kBFloat16);
+  runCase(*bf, Case{.zero_tokens = true}, me, R, L, node_of, PayloadFormat::kNative, DataType::kBFloat16);
+  runCase(*bf, Case{.route = Route::kOneExpert}, me, R, L, node_of, PayloadFormat::kNative,
+          DataType::kBFloat16);
   if (N <= cfg.topk)
-    runCase(*bf, Case{.route = Route::kEveryNode}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);
+    runCase(*bf, Case{.route = Route::kEveryNode}, me, R, L, node_of, PayloadFormat::kNative,
+            DataType::kBFloat16);
 
   // Invalid inputs (every rank passes the same kind, before any traffic).
   std::vector<int64_t> bad(cfg.topk, 0);
@@ -270,11 +291,11 @@ void body(RankEnv& env) {
   odd.num_experts = 4 * R + 1;
   EXPECT_THROW(MoeBuffer::create(comm, odd), InvalidArgument);
   // Still usable after rejected calls.
-  runCase(*bf, Case{}, me, R, L, PayloadFormat::kNative, DataType::kBFloat16);
+  runCase(*bf, Case{}, me, R, L, node_of, PayloadFormat::kNative, DataType::kBFloat16);
 
   MoeConfig f32 = cfg;
   f32.dtype = DataType::kFloat32;
-  runCase(*MoeBuffer::create(comm, f32), Case{.fractional = true}, me, R, L, PayloadFormat::kNative,
+  runCase(*MoeBuffer::create(comm, f32), Case{.fractional = true}, me, R, L, node_of, PayloadFormat::kNative,
           DataType::kFloat32);
 
   for (PayloadFormat f : {PayloadFormat::kFp8, PayloadFormat::kMxfp8, PayloadFormat::kNvfp4}) {
@@ -282,7 +303,7 @@ void body(RankEnv& env) {
     q.format = f;
     q.hidden = 200;  // partial last block for every codec
     q.return_quantized = true;
-    runCase(*MoeBuffer::create(comm, q), Case{.hidden = 200, .fractional = true}, me, R, L, f,
+    runCase(*MoeBuffer::create(comm, q), Case{.hidden = 200, .fractional = true}, me, R, L, node_of, f,
             DataType::kBFloat16);
   }
 
@@ -332,13 +353,19 @@ TEST(Moe, Topology2x2) {
 TEST(Moe, Topology4x2) {
   runTopology(8, 2);
 }
-// Nodes of different sizes (a shrunk fault-tolerant communicator): {0,1} | {2} runs as
-// three groups of one, {0-3} | {4,5} as three groups of two.
+// Nodes of different sizes (a shrunk fault-tolerant communicator): a rank of the smaller node
+// forwards for several ranks of the larger one ({0,1} | {2}: rank 2 for 0 and 1; {0-3} |
+// {4,5}: 4 for 0 and 2, 5 for 1 and 3), a larger node's ranks 2 and 3 forward only their own
+// rows, and each token still crosses the network once per destination node (runCase checks
+// the bytes against the layout's remote (token, node) pairs).
 TEST(Moe, UnevenNodes2And1) {
   runTopology(3, 2);
 }
 TEST(Moe, UnevenNodes4And2) {
   runTopology(6, 4);
+}
+TEST(Moe, UnevenNodes2And2And1) {
+  runTopology(5, 2);
 }
 
 TEST(MoeRouting, NodeLimitedAndDeterministic) {

@@ -12,6 +12,7 @@
 #include "collectives/moe/routing.h"
 #include "comm/errors.h"
 #include "harness/multiprocess.h"
+#include "moe_test_inputs.h"
 
 namespace crossbar::moe {
 namespace {
@@ -136,7 +137,7 @@ void body(RankEnv& env) {
   RoutingOptions ro;
   ro.num_experts = cfg.num_experts;
   ro.topk = cfg.topk;
-  ro.num_groups = comm->numNodes();
+  ro.num_groups = R / testinput::routingGroupSize(*comm);  // the nodes, or groups within uneven ones
   ro.seed = 5;
   Routing routing = generateRouting(tokens, me, ro);
   for (size_t t = 0; t < tokens; t += 4) routing.topk_idx[t * cfg.topk + 2] = -1;
@@ -200,6 +201,10 @@ TEST(MoeChunks, NetMessagesSplitRows) {
 }
 TEST(MoeChunks, NetMessagePerChunk) {
   runTopology(3, 1, "0");
+}
+// Nodes of 2 and 1 ranks: rank 2 forwards for ranks 0 and 1, two chunked streams at once.
+TEST(MoeChunks, UnevenNodes2And1) {
+  runTopology(3, 2, "100");
 }
 
 }  // namespace

@@ -3,9 +3,9 @@
 // (moe.h) delivers: received rows in the same (source rank, token) order, the same local
 // expert ids (capacity drops included), per-expert counts, expert-major index, byte counts
 // and dedup metrics. The forwarding lists must be consistent across ranks: what forwarder f
-// writes to rank d is what d expects from f. Topologies 1x1, 1x2, 1x4, 2x2 and nodes of 4 and 2 ranks
-// (virtual nodes). Then the executor's data movement is emulated on the CPU with the plan's and the kernels'
-// index arrays (cudaMoeSumIndex, cudaMoeForwardPhases), in the executor's order of operations
+// writes to rank d is what d expects from f. Topologies 1x1, 1x2, 1x4, 2x2 and nodes of 4 and 2, and of 2, 2
+// and 1 ranks (virtual nodes). Then the executor's data movement is emulated on the CPU with the plan's and
+// the kernels' index arrays (cudaMoeSumIndex, cudaMoeForwardPhases), in the executor's order of operations
 // (several nodes: own rows forwarded / summed while the network phase is in flight), over
 // host p2p: the received rows and the plain, weighted and expert-major combines must equal
 // the host executor's bit for bit.
@@ -60,7 +60,7 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
                      const std::vector<uint8_t>& x, const DispatchResult& d, uint32_t tag) {
   const MoeConfig& cfg = host.config();
   const size_t H = cfg.hidden, es = elementSize(cfg.dtype), xrow = H * es;
-  const size_t slot_floats = static_cast<size_t>(t.N) * cfg.max_tokens * H;
+  const size_t slot_floats = static_cast<size_t>(t.max_sources) * cfg.max_tokens * H;
   const CudaMoeSumIndex sx = cudaMoeSumIndex(p, slot_floats, H);
   const Deadline dl = comm.defaultDeadline();
   // Dispatch, in the executor's order with several nodes: the remote nodes' blocks of F
@@ -68,29 +68,31 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
   // are delivered to the local ranks (phase 0); the network's rows go after the join (phase
   // 1). F's remote blocks hold garbage until the network is done, so a phase-0 row that
   // needed the network would show up in the received rows.
-  const CudaMoeForwardPhases ph = cudaMoeForwardPhases(p, p.fwd_count[t.me_node]);
-  EXPECT_EQ(p.fwd_start[t.me_node], 0u) << "the own block is F's first";
+  const CudaMoeForwardPhases ph = cudaMoeForwardPhases(p, p.fwd_count[0]);
+  EXPECT_EQ(p.fwd_start[0], 0u) << "the own block is F's first";
   std::vector<uint8_t> F(sx.nf * xrow, 0xFF);
   {
     auto own = gather(x.data(), p.node_send[t.me_node], xrow);
-    if (!own.empty()) std::memcpy(F.data() + p.fwd_start[t.me_node] * xrow, own.data(), own.size());
+    if (!own.empty()) std::memcpy(F.data() + p.fwd_start[0] * xrow, own.data(), own.size());
   }
-  std::vector<std::vector<uint8_t>> keep(t.N), net_in(t.N);
+  const size_t S = t.fwd_sources.size();  // F's blocks: [0] own, then one per source
+  std::vector<std::vector<uint8_t>> keep(t.N), net_in(S);
   std::vector<RequestPtr> reqs, net;
   for (int m = 0; m < t.N; ++m) {
     if (m == t.me_node) continue;
-    const int peer = t.node_ranks[m][t.me_local];
     keep[m] = gather(x.data(), p.node_send[m], xrow);
-    net_in[m].resize(p.fwd_count[m] * xrow);
-    net.push_back(comm.isend(keep[m].data(), keep[m].size(), peer, tag + 2));
-    net.push_back(comm.irecv(net_in[m].data(), net_in[m].size(), peer, tag + 2));
+    net.push_back(comm.isend(keep[m].data(), keep[m].size(), t.forwarderOn(m, t.rank), tag + 2));
+  }
+  for (size_t st = 1; st < S; ++st) {
+    net_in[st].resize(p.fwd_count[st] * xrow);
+    net.push_back(comm.irecv(net_in[st].data(), net_in[st].size(), t.fwd_sources[st], tag + 2));
   }
   std::vector<std::vector<uint8_t>> out_to(t.L), in_from(t.L);
   auto forward = [&](int phase) {
     for (int j = 0; j < t.L; ++j) {
       ASSERT_EQ(ph.src[phase][j].size(), ph.pos[phase][j].size());
       for (size_t q = 0; q < ph.src[phase][j].size(); ++q) {
-        EXPECT_EQ(phase == 0, static_cast<size_t>(ph.src[phase][j][q]) < p.fwd_count[t.me_node]);
+        EXPECT_EQ(phase == 0, static_cast<size_t>(ph.src[phase][j][q]) < p.fwd_count[0]);
         std::memcpy(out_to[j].data() + ph.pos[phase][j][q] * xrow, F.data() + ph.src[phase][j][q] * xrow,
                     xrow);
       }
@@ -102,9 +104,9 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
   }
   forward(0);
   comm.waitAll(net, dl);
-  for (int m = 0; m < t.N; ++m)
-    if (m != t.me_node && !net_in[m].empty())
-      std::memcpy(F.data() + p.fwd_start[m] * xrow, net_in[m].data(), net_in[m].size());
+  for (size_t st = 1; st < S; ++st)
+    if (!net_in[st].empty())
+      std::memcpy(F.data() + p.fwd_start[st] * xrow, net_in[st].data(), net_in[st].size());
   forward(1);
   // Every slot position written once, with the row fwd_to_local says.
   for (int j = 0; j < t.L; ++j)
@@ -130,7 +132,7 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
 
   // Combine of f32 rows y (already weighted), as the kernels do it.
   auto combine = [&](const std::vector<float>& yw, uint32_t ctag) {
-    std::vector<float> cb(static_cast<size_t>(t.L) * slot_floats, 0.0f);
+    std::vector<float> cb(static_cast<size_t>(t.max_node) * slot_floats, 0.0f);
     std::vector<std::vector<float>> send(t.L);
     for (int j = 0; j < t.L; ++j) {
       for (int32_t r : p.recv_rows[j])
@@ -150,7 +152,7 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
     // The forwarder's sums in the executor's order: the other nodes' rows (F rows >= own)
     // first, sent while the own rows are summed. acc starts as NaN: a row sent before its sum
     // would poison the result.
-    const size_t own = p.fwd_count[t.me_node];
+    const size_t own = p.fwd_count[0];
     std::vector<float> acc(sx.nf * H, std::numeric_limits<float>::quiet_NaN());
     auto sumRows = [&](size_t from, size_t to) {
       for (size_t i = from; i < to; ++i)
@@ -162,12 +164,13 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
     };
     sumRows(own, sx.nf);
     std::vector<std::vector<float>> back(t.N);
+    for (size_t st = 1; st < S; ++st)
+      reqs.push_back(
+          comm.isend(acc.data() + p.fwd_start[st] * H, p.fwd_count[st] * H * 4, t.fwd_sources[st], ctag + 1));
     for (int m = 0; m < t.N; ++m) {
       if (m == t.me_node) continue;
-      const int peer = t.node_ranks[m][t.me_local];
       back[m].resize(p.node_send[m].size() * H);
-      reqs.push_back(comm.isend(acc.data() + p.fwd_start[m] * H, p.fwd_count[m] * H * 4, peer, ctag + 1));
-      reqs.push_back(comm.irecv(back[m].data(), back[m].size() * 4, peer, ctag + 1));
+      reqs.push_back(comm.irecv(back[m].data(), back[m].size() * 4, t.forwarderOn(m, t.rank), ctag + 1));
     }
     sumRows(0, own);
     comm.waitAll(reqs, dl);
@@ -179,7 +182,7 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
         for (int32_t q = sx.t_first[tok]; q < sx.t_first[tok + 1]; ++q) {
           const int node = static_cast<int>(sx.t_src[q] >> 32);
           const size_t i = static_cast<size_t>(sx.t_src[q] & 0xFFFFFFFF);
-          a += node == t.me_node ? acc[(p.fwd_start[node] + i) * H + c] : back[node][i * H + c];
+          a += node == t.me_node ? acc[(p.fwd_start[0] + i) * H + c] : back[node][i * H + c];
         }
         out[tok * H + c] = a;
       }
@@ -213,7 +216,7 @@ void emulateExecutor(Communicator& comm, MoeBuffer& host, const MoeTopology& t, 
 void checkCase(Communicator& comm, MoeBuffer& host, Route route, uint32_t tag) {
   const MoeConfig& cfg = host.config();
   const MoeTopology topo = makeTopology(comm, cfg, "test");
-  const int R = comm.size(), L = topo.L, me = comm.rank();  // L: ranks per node (or group)
+  const int R = comm.size(), L = routingGroupSize(comm), me = comm.rank();  // L: ranks per routing group
   const size_t k = static_cast<size_t>(cfg.topk);
   const int epr = cfg.num_experts / R;
   SCOPED_TRACE(::testing::Message() << "route " << static_cast<int>(route) << " rank " << me);
@@ -265,7 +268,7 @@ void checkCase(Communicator& comm, MoeBuffer& host, Route route, uint32_t tag) {
   // rank j (fwd_to_local[j]) has the size j expects from it (its recv_rows[me_local]).
   size_t nf = 0;
   for (size_t c : p.fwd_count) nf += c;
-  EXPECT_EQ(p.fwd_start[topo.me_node], 0u);
+  EXPECT_EQ(p.fwd_start[0], 0u);
   for (int j = 0; j < topo.L; ++j) {
     const int peer = topo.localRank(j);
     uint64_t mine[2] = {p.fwd_to_local[j].size(), p.recv_rows[j].size()}, theirs[2] = {0, 0};
@@ -336,9 +339,12 @@ TEST(MoeCudaPlan, Topology1x4) {
 TEST(MoeCudaPlan, Topology2x2) {
   runTopology(4, 2);
 }
-// Nodes of 4 and 2 ranks: the plan runs over three groups of two (moe_plan.h).
+// Nodes of different sizes: ranks of the smaller node forward for several sources (moe_plan.h).
 TEST(MoeCudaPlan, UnevenNodes4And2) {
   runTopology(6, 4);
+}
+TEST(MoeCudaPlan, UnevenNodes2And2And1) {
+  runTopology(5, 2);
 }
 
 }  // namespace

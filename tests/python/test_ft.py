@@ -322,6 +322,6 @@ def test_moe_survives_killed_rank_on_uneven_nodes_and_grows_back(tmp_path):
         if who == "joiner":
             assert out["sizes"] == [WORLD], out
             continue
-        # 4 (2x2) -> 3 (nodes of 2 and 1: the buffer runs over groups of one) -> 4.
+        # 4 (2x2) -> 3 (nodes of 2 and 1: rank 2 forwards for ranks 0 and 1) -> 4.
         assert out["sizes"] == [WORLD, WORLD - 1, WORLD], out
         assert {(f["rank"], f["kind"]) for f in out["faults"]} == {(VICTIM, "dead")}, out["faults"]

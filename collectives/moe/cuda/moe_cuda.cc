@@ -203,7 +203,7 @@ std::shared_ptr<const CudaMoeHandle> CudaMoeBuffer::Impl::makeHandle(CudaMoePlan
   const size_t p_tf = reserve(t_first.size() * 4), p_ts = reserve(t_src.size() * 8);
   std::vector<size_t> ph_src[2], ph_pos[2];
   if (topo.N > 1) {
-    h->phases = cudaMoeForwardPhases(p, p.fwd_count[topo.me_node]);
+    h->phases = cudaMoeForwardPhases(p, p.fwd_count[0]);
     for (int ph = 0; ph < 2; ++ph)
       for (int j = 0; j < topo.L; ++j) {
         ph_src[ph].push_back(reserve(h->phases.src[ph][j].size() * 4));
@@ -303,9 +303,10 @@ std::unique_ptr<CudaMoeBuffer> CudaMoeBuffer::create(std::shared_ptr<Communicato
   im->cfg = cfg;
   im->topo = makeTopology(*comm, cfg, op);
   im->fmt = makeRowFormat(cfg);
-  if (im->topo.L > sys::kMaxLocalRanks)
-    throw Unsupported(im->ctx(op) + fmt::format("{} ranks per node: the CUDA MoE path maps at most {} local GPUs",
-                                                im->topo.L, sys::kMaxLocalRanks));
+  if (im->topo.max_node > sys::kMaxLocalRanks)
+    throw Unsupported(im->ctx(op) +
+                      fmt::format("{} ranks per node: the CUDA MoE path maps at most {} local GPUs",
+                                  im->topo.max_node, sys::kMaxLocalRanks));
   int dev = options.device;
   if (dev < 0 && cudaGetDevice(&dev) != cudaSuccess) {
     cudaGetLastError();
@@ -315,9 +316,9 @@ std::unique_ptr<CudaMoeBuffer> CudaMoeBuffer::create(std::shared_ptr<Communicato
   im->device = dev;
   im->allocate = std::move(options.allocate);
   im->comm = comm->dup();
-  const size_t H = cfg.hidden, N = static_cast<size_t>(im->topo.N), L = static_cast<size_t>(im->topo.L);
+  const size_t H = cfg.hidden, N = static_cast<size_t>(im->topo.N);
   const size_t row = im->fmt.row;
-  im->fmax = N * cfg.max_tokens;
+  im->fmax = static_cast<size_t>(im->topo.max_sources) * cfg.max_tokens;
   im->dslot = im->fmax * row;
   im->cslot = im->fmax * H * sizeof(float);
   im->wire_es = cfg.combine_wire == DataType::kBFloat16 ? 2 : 4;
@@ -328,8 +329,9 @@ std::unique_ptr<CudaMoeBuffer> CudaMoeBuffer::create(std::shared_ptr<Communicato
   ho.remote_access = false;  // off-node traffic goes through NCCL
   ho.allocator = sys::makeCudaSegmentAllocator(dev);
   im->heap = symm::SymmetricHeap::create(im->comm, ho);
-  im->dbuf = im->heap.allocate(L * im->dslot);
-  im->cbuf = im->heap.allocate(L * im->cslot);
+  // A slot per forwarder of the largest node: the same size on every rank.
+  im->dbuf = im->heap.allocate(static_cast<size_t>(im->topo.max_node) * im->dslot);
+  im->cbuf = im->heap.allocate(static_cast<size_t>(im->topo.max_node) * im->cslot);
 
   im->enc = deviceAlloc(cfg.max_tokens * row, dev, "encoded tokens");
   im->fbuf = deviceAlloc(im->fmax * row, dev, "forwarded rows");
@@ -356,9 +358,11 @@ std::unique_ptr<CudaMoeBuffer> CudaMoeBuffer::create(std::shared_ptr<Communicato
   im->d_nonfinite = reinterpret_cast<int*>(im->d_gscale + 2);
   sys::checkCuda(cudaEventCreateWithFlags(&im->event, cudaEventDisableTiming), "moe: cudaEventCreate", dev);
   sys::checkCuda(cudaEventCreateWithFlags(&im->last_call, cudaEventDisableTiming), "moe: cudaEventCreate", dev);
-  CB_INFO("moe", "CUDA MoE buffer on device {}: {} experts, top-{}, hidden {}, {} ({}), {} nodes x {} ranks, row {} B",
+  CB_INFO("moe",
+          "CUDA MoE buffer on device {}: {} experts, top-{}, hidden {}, {} ({}), {} nodes, {} ranks on this "
+          "one, row {} B",
           dev, cfg.num_experts, cfg.topk, cfg.hidden, payloadFormatName(cfg.format),
-          cfg.dtype == DataType::kFloat32 ? "f32" : "bf16", N, L, row);
+          cfg.dtype == DataType::kFloat32 ? "f32" : "bf16", N, im->topo.L, row);
   return std::unique_ptr<CudaMoeBuffer>(new CudaMoeBuffer(std::move(im)));
 }
 
@@ -474,15 +478,14 @@ CudaDispatchResult CudaMoeBuffer::dispatch(const MoeBuffer::DispatchArgs& args, 
         cuda::copyRows(enc, row, h->node_send[m], im.bytes(im.nsend) + m * cfg.max_tokens * row, row, nullptr, row,
                        p.node_send[m].size(), im.net_stream);
     im.coll->groupStart();
-    for (int m = 0; m < t.N; ++m) {
-      if (m == t.me_node) continue;
-      const int peer = t.node_ranks[m][t.me_local];
-      if (!p.node_send[m].empty())
-        im.coll->send(im.bytes(im.nsend) + m * cfg.max_tokens * row, p.node_send[m].size() * row, DataType::kUInt8,
-                      peer, 0, im.net_stream);
-      if (p.fwd_count[m] > 0)
-        im.coll->recv(fbuf + p.fwd_start[m] * row, p.fwd_count[m] * row, DataType::kUInt8, peer, 0, im.net_stream);
-    }
+    for (int m = 0; m < t.N; ++m)
+      if (m != t.me_node && !p.node_send[m].empty())
+        im.coll->send(im.bytes(im.nsend) + m * cfg.max_tokens * row, p.node_send[m].size() * row,
+                      DataType::kUInt8, t.forwarderOn(m, t.rank), 0, im.net_stream);
+    for (size_t st = 1; st < t.fwd_sources.size(); ++st)
+      if (p.fwd_count[st] > 0)
+        im.coll->recv(fbuf + p.fwd_start[st] * row, p.fwd_count[st] * row, DataType::kUInt8,
+                      t.fwd_sources[st], 0, im.net_stream);
     im.coll->groupEnd();
   }
   // 3. ... while the own node's rows, the first block of F, are forwarded on `stream`.
@@ -638,7 +641,7 @@ CudaCombineResult CudaMoeBuffer::combine(const void* y, DataType y_type, const C
   // node's rows are summed. Every row's sum is the same kernel arithmetic either way.
   float* acc = static_cast<float*>(im.acc.get());
   auto* acc16 = static_cast<uint16_t*>(im.acc16.get());
-  const size_t own = p.fwd_count[t.me_node];
+  const size_t own = p.fwd_count[0];
   cuda::sumRows(im.cbuf->local<float>(), h.c_offs, h.c_first + own, h.nf - own, H, acc + own * H,
                 acc16 ? acc16 + own * H : nullptr, 0, stream);
   // 3. partial sums cross the network once per node (f32, or bf16 with combine_wire), on the
@@ -647,18 +650,16 @@ CudaCombineResult CudaMoeBuffer::combine(const void* y, DataType y_type, const C
   if (t.N > 1) {
     im.forkNet(stream, op);
     im.coll->groupStart();
-    for (int m = 0; m < t.N; ++m) {
-      if (m == t.me_node) continue;
-      const int peer = t.node_ranks[m][t.me_local];
-      if (p.fwd_count[m] > 0) {
-        im.coll->send(wire + p.fwd_start[m] * H * ws, p.fwd_count[m] * H * ws, DataType::kUInt8, peer, 0,
-                      im.net_stream);
-        res.metrics.inter_node_bytes += p.fwd_count[m] * H * ws;
+    for (size_t st = 1; st < t.fwd_sources.size(); ++st)
+      if (p.fwd_count[st] > 0) {
+        im.coll->send(wire + p.fwd_start[st] * H * ws, p.fwd_count[st] * H * ws, DataType::kUInt8,
+                      t.fwd_sources[st], 0, im.net_stream);
+        res.metrics.inter_node_bytes += p.fwd_count[st] * H * ws;
       }
-      if (!p.node_send[m].empty())
+    for (int m = 0; m < t.N; ++m)
+      if (m != t.me_node && !p.node_send[m].empty())
         im.coll->recv(im.bytes(im.back) + m * im.cfg.max_tokens * H * ws, p.node_send[m].size() * H * ws,
-                      DataType::kUInt8, peer, 0, im.net_stream);
-    }
+                      DataType::kUInt8, t.forwarderOn(m, t.rank), 0, im.net_stream);
     im.coll->groupEnd();
   }
   cuda::sumRows(im.cbuf->local<float>(), h.c_offs, h.c_first, own, H, acc, nullptr, own, stream);
@@ -670,7 +671,7 @@ CudaCombineResult CudaMoeBuffer::combine(const void* y, DataType y_type, const C
   DeviceStorage out = im.allocOut(p.tokens * H * 4, stream, "combined tokens");
   res.out = static_cast<float*>(out.get());
   res.storage = out;
-  cuda::sumPartials(h.t_src, h.t_first, p.tokens, H, t.me_node, acc, p.fwd_start[t.me_node], im.back.get(), ws == 2,
+  cuda::sumPartials(h.t_src, h.t_first, p.tokens, H, t.me_node, acc, p.fwd_start[0], im.back.get(), ws == 2,
                     im.cfg.max_tokens, res.out, stream);
   res.metrics.phases.emplace_back("enqueue",
                                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());

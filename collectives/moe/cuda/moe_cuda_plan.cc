@@ -20,33 +20,37 @@ CudaMoePlan exchangeCudaMoePlan(Communicator& comm, const MoeTopology& t, const 
   p.node_send = nodeSendLists(t, p.stats);
   p.stats.is_token_in_rank.clear();
 
-  // 1. to each remote node's forwarder: [token, ids...] of the tokens bound for that node.
-  std::vector<std::vector<int64_t>> out1(t.N), in1(t.N);
-  std::vector<RequestPtr> reqs, recvs1(t.N);
+  // 1. to each remote node's forwarder for this rank: [token, ids...] of the tokens bound for
+  // that node; from each source this rank forwards for, the same about this node.
+  const auto& sources = t.fwd_sources;
+  const size_t S = sources.size();
+  std::vector<std::vector<int64_t>> out1(t.N), in1(S);
+  std::vector<RequestPtr> reqs, recvs1(S);
+  for (size_t st = 1; st < S; ++st) {
+    in1[st].resize(cfg.max_tokens * w);
+    recvs1[st] = comm.irecv(in1[st].data(), in1[st].size() * 8, sources[st], tag);
+    reqs.push_back(recvs1[st]);
+  }
   for (int m = 0; m < t.N; ++m) {
     if (m == t.me_node) continue;
-    const int peer = t.node_ranks[m][t.me_local];
-    in1[m].resize(cfg.max_tokens * w);
-    recvs1[m] = comm.irecv(in1[m].data(), in1[m].size() * 8, peer, tag);
     for (int32_t tok : p.node_send[m]) {
       out1[m].push_back(tok);
       out1[m].insert(out1[m].end(), topk_idx + tok * k, topk_idx + (tok + 1) * k);
     }
-    reqs.push_back(comm.isend(out1[m].data(), out1[m].size() * 8, peer, tag));
+    reqs.push_back(comm.isend(out1[m].data(), out1[m].size() * 8, t.forwarderOn(m, t.rank), tag));
     p.inter_node_bytes += p.node_send[m].size() * row_bytes;
   }
-  for (int m = 0; m < t.N; ++m)
-    if (recvs1[m]) reqs.push_back(recvs1[m]);
   comm.waitAll(reqs, dl);
   reqs.clear();
 
-  // F: own block first, then the remote blocks in node order; per row (source rank, token, ids).
-  p.fwd_start.assign(t.N, 0);
-  p.fwd_count.assign(t.N, 0);
+  // F: own block first, then the sources' blocks in stream order; per row (source rank,
+  // token, ids).
+  p.fwd_start.assign(S, 0);
+  p.fwd_count.assign(S, 0);
   std::vector<int64_t> f_src, f_ids;  // [F]: src_rank << 32 | token; [F x k]
-  auto addBlock = [&](int m, int src, const int64_t* rows, size_t count) {
-    p.fwd_start[m] = f_src.size();
-    p.fwd_count[m] = count;
+  auto addBlock = [&](size_t st, int src, const int64_t* rows, size_t count) {
+    p.fwd_start[st] = f_src.size();
+    p.fwd_count[st] = count;
     for (size_t i = 0; i < count; ++i) {
       const int64_t* r = rows + i * w;
       f_src.push_back((static_cast<int64_t>(src) << 32) | static_cast<uint32_t>(r[0]));
@@ -59,24 +63,23 @@ CudaMoePlan exchangeCudaMoePlan(Communicator& comm, const MoeTopology& t, const 
       own.push_back(tok);
       own.insert(own.end(), topk_idx + tok * k, topk_idx + (tok + 1) * k);
     }
-    addBlock(t.me_node, t.rank, own.data(), p.node_send[t.me_node].size());
+    addBlock(0, t.rank, own.data(), p.node_send[t.me_node].size());
   }
-  for (int m = 0; m < t.N; ++m) {
-    if (m == t.me_node) continue;
-    const size_t bytes = recvs1[m]->status().bytes;
-    const int src = t.node_ranks[m][t.me_local];
+  for (size_t st = 1; st < S; ++st) {
+    const size_t bytes = recvs1[st]->status().bytes;
+    const int src = sources[st];
     if (bytes % (w * 8) != 0 || bytes / (w * 8) > cfg.max_tokens)
       throw InternalError(ctx + fmt::format("rank {} sent {} bytes of routing metadata (not rows of {} words, "
                                             "at most {})",
                                             src, bytes, w, cfg.max_tokens));
-    addBlock(m, src, in1[m].data(), bytes / (w * 8));
+    addBlock(st, src, in1[st].data(), bytes / (w * 8));
   }
   p.fwd_to_local = localTargets(t, cfg.topk, cfg.num_experts, f_ids.data(), f_src.size());
 
   // 2. to each local rank: (source rank << 32 | token, ids...) of the rows written to it.
   std::vector<std::vector<int64_t>> out2(t.L), in2(t.L);
   std::vector<RequestPtr> recvs2(t.L);
-  const size_t fmax = static_cast<size_t>(t.N) * cfg.max_tokens;
+  const size_t fmax = static_cast<size_t>(t.max_sources) * cfg.max_tokens;
   for (int j = 0; j < t.L; ++j) {
     for (int32_t f : p.fwd_to_local[j]) {
       out2[j].push_back(f_src[f]);
@@ -106,7 +109,7 @@ CudaMoePlan exchangeCudaMoePlan(Communicator& comm, const MoeTopology& t, const 
     count[j] = bytes / (w * 8);
     for (size_t q = 0; q < count[j]; ++q) {
       const int s = static_cast<int>(in2[j][q * w] >> 32);
-      if (s < 0 || s >= t.R || t.local_of[s] != j)
+      if (s < 0 || s >= t.R || t.forwarderLocal(s) != j)
         throw InternalError(ctx + fmt::format("rank {} forwards a row of rank {}, which is not its to forward",
                                               t.localRank(j), s));
       ++per_src[s];

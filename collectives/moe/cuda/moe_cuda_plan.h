@@ -3,8 +3,9 @@
 // rows goes and where each row it receives lands. The plan is built from moe_plan.h (the
 // host executor's planning) plus a metadata exchange over the Communicator's host p2p that
 // follows the data's two-level route:
-//   1. each rank sends the forwarder of every remote node (the rank there with its local
-//      index) the (token, top-k ids) of the tokens bound for that node;
+//   1. each rank sends its forwarder on every remote node (MoeTopology::forwarderOn: the
+//      rank there with its local index when nodes are even) the (token, top-k ids) of the
+//      tokens bound for that node;
 //   2. each forwarder sends every rank of its node the (source rank, token, top-k ids) of the
 //      rows it will write into that rank's buffer, in order.
 // Metadata is (1 + topk) int64 per row, a small fraction of a row of activations. No device
@@ -24,8 +25,9 @@ struct CudaMoePlan {
   size_t tokens = 0;
   Layout stats;                                 // counts only (is_token_in_rank emptied)
   std::vector<std::vector<int32_t>> node_send;  // [node]: own tokens bound for it, in order
-  // Forwarder: F = own rows for this node, then each remote node's rows (blocks in node order).
-  std::vector<size_t> fwd_start, fwd_count;        // [node]
+  // Forwarder: F = own rows for this node, then the rows of each source it forwards for
+  // (blocks in MoeTopology::fwd_sources order; [0] is the own block).
+  std::vector<size_t> fwd_start, fwd_count;        // [stream]
   std::vector<std::vector<int32_t>> fwd_to_local;  // [local j]: F rows written to local rank j, in order
   // Receiver: rows in (source rank, token) order.
   size_t num_recv = 0;
