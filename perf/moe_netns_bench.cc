@@ -581,6 +581,9 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
       auto exact = MoeBuffer::create(comm, cfg);  // f32 partials: comparable to 1e-4
       err = check(cfg, *exact, flat, x, routing, me);
     }
+    // --no-flat: the flat path only checked the results; its buffers (a row per (token,
+    // expert) pair) would otherwise stay resident for every format at once.
+    if (o.no_flat) r.flat.reset();
     cfg.combine_wire = o.combine_wire;
     cfg.expert_major_copy = false;  // the flat path returns rows by source too
     r.buf = MoeBuffer::create(comm, cfg);
@@ -616,7 +619,6 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
   auto iterate = [&](Run& r, bool timed) {
     const PayloadFormat f = r.f;
     const bool qio = r.qio;
-    FlatAllToAll& flat = *r.flat;
     MoeBuffer* buf = r.buf.get();
     QuantizedTokens& xq = r.xq;
     auto& y_q = r.y_q;
@@ -673,6 +675,7 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
       spare = std::move(d);
       return;
     }
+    FlatAllToAll& flat = *r.flat;
     auto rec = flat.dispatch(x.data(), o.tokens, routing.topk_idx.data(), routing.topk_weights.data());
     auto t5 = Clock::now();
     const uint64_t flat_disp_bytes = flat.networkBytes();
