@@ -9,7 +9,7 @@
 // communicator's UCX transport is forced onto TCP over the veth links. Needs root and
 // iproute2; exits 77 (skip) when namespaces cannot be created.
 //
-//   moe_netns_bench [--nodes 2] [--ranks-per-node 2] [--tokens 512] [--hidden 7168]
+//   moe_netns_bench [--nodes 2] [--ranks-per-node 2] [--last-node-ranks K] [--tokens 512] [--hidden 7168]
 //                   [--experts 256] [--topk 8] [--max-nodes M] [--formats native,fp8]
 //                   [--rate auto|<tc rate, e.g. 2gbit>] [--queue-ms 200] [--iters 5] [--rounds 1]
 //                   [--warmup 1] [--combine-wire bf16|f32] [--no-netns] [--phases] [--fresh-output] [--no-flat]
@@ -54,6 +54,9 @@ constexpr int kAutoMaxNodes = -1000;
 
 struct Options {
   int nodes = 2, ranks_per_node = 2, experts = 256, topk = 8, iters = 5, warmup = 1;
+  // Ranks on the last node (0: ranks_per_node): fewer makes nodes of different sizes, as a
+  // fault-tolerant job has after losing a rank.
+  int last_node_ranks = 0;
   // Rounds over the formats: each round runs every format for `iters` timed iterations (the
   // warmup only in the first); medians are over all rounds' iterations.
   int rounds = 1;
@@ -501,10 +504,12 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
   };
   const int E = o.experts;
   print(
-      fmt::format("# moe_netns_bench: {} nodes x {} ranks, {}; {} experts, top-{}, max nodes/token {}, "
+      fmt::format("# moe_netns_bench: {} nodes x {} ranks{}, {}; {} experts, top-{}, max nodes/token {}, "
                   "{} tokens/rank, hidden {}, two-level combine partials {}, row-major output (no "
                   "expert-major copy, like flat), {} two-level output buffers\n",
-                  comm->numNodes(), comm->localSize(), link, E, o.topk,
+                  comm->numNodes(), o.ranks_per_node,
+                  o.last_node_ranks != o.ranks_per_node ? fmt::format(" (the last {})", o.last_node_ranks) : "",
+                  link, E, o.topk,
                   o.max_nodes > 0 ? std::to_string(o.max_nodes) : std::string("no limit"), o.tokens, o.hidden,
                   o.combine_wire == DataType::kFloat32 ? "f32" : "bf16",
                   o.fresh_output ? "fresh" : "recycled"));
@@ -806,6 +811,8 @@ int main(int argc, char** argv) {
         o.nodes = std::stoi(next());
       else if (a == "--ranks-per-node")
         o.ranks_per_node = std::stoi(next());
+      else if (a == "--last-node-ranks")
+        o.last_node_ranks = std::stoi(next());
       else if (a == "--tokens")
         o.tokens = std::stoul(next());
       else if (a == "--hidden")
@@ -858,7 +865,8 @@ int main(int argc, char** argv) {
         }
       } else {
         std::fprintf(stderr,
-                     "usage: %s [--nodes N] [--ranks-per-node L] [--tokens T] [--hidden H] [--experts E] "
+                     "usage: %s [--nodes N] [--ranks-per-node L] [--last-node-ranks K] [--tokens T] [--hidden H] "
+                     "[--experts E] "
                      "[--topk k] [--max-nodes M] [--formats bf16,fp8,mxfp8] [--rate auto|2gbit] [--queue-ms ms] [--iters n] "
                      "[--rounds n] "
                      "[--warmup n] [--combine-wire bf16|f32] [--no-netns] [--phases] [--fresh-output] [--no-flat] "
@@ -867,8 +875,14 @@ int main(int argc, char** argv) {
         return a == "--help" || a == "-h" ? 0 : 2;
       }
     }
-    if (o.nodes < 1 || o.ranks_per_node < 1 || o.experts % (o.nodes * o.ranks_per_node) != 0)
-      throw InvalidArgument("--experts must be a multiple of --nodes x --ranks-per-node");
+    if (o.last_node_ranks == 0) o.last_node_ranks = o.ranks_per_node;
+    if (o.nodes < 1 || o.ranks_per_node < 1 || o.last_node_ranks < 1 || o.last_node_ranks > o.ranks_per_node)
+      throw InvalidArgument("--nodes and --ranks-per-node must be positive, --last-node-ranks in [1, --ranks-per-node]");
+    const int size = (o.nodes - 1) * o.ranks_per_node + o.last_node_ranks;
+    if (o.experts % size != 0 || o.experts % o.nodes != 0)
+      throw InvalidArgument(fmt::format("--experts ({}) must be a multiple of the rank count ({}) and of --nodes "
+                                        "(e.g. 168 for nodes of 4 and 3)",
+                                        o.experts, size));
     if (o.max_nodes == kAutoMaxNodes) o.max_nodes = std::max(1, o.nodes / 2);
     std::unique_ptr<NetnsTopology> topo;
     std::string link = "no namespaces (UCX's own transports across virtual nodes)";
@@ -884,7 +898,6 @@ int main(int argc, char** argv) {
       link = fmt::format("namespaces, inter-node links tc tbf {} each way (memcpy {:.1f} GB/s)", o.rate,
                          bw / 1e9);
     }
-    const int size = o.nodes * o.ranks_per_node;
     auto exits = launchLocalRanks(size, [&](int rank, int sz, std::shared_ptr<Store> store) {
       CommOptions copts;
       copts.ranks_per_node = o.ranks_per_node;
