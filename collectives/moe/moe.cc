@@ -138,11 +138,7 @@ class PhaseClock {
 struct MoeBuffer::Impl {
   std::shared_ptr<Communicator> comm;
   MoeConfig cfg;
-  int rank = 0, R = 1, N = 1, L = 1, me_node = 0, me_local = 0, epr = 1;
-  std::vector<std::vector<int>> node_ranks;  // [node index][local index] -> rank
-  std::vector<int> node_of;                  // rank -> node index
-  std::vector<int> local_of;                 // rank -> local index in its node
-  MoeTopology topo;                          // the same, shared with the CUDA executor
+  MoeTopology topo;  // nodes, forwarders and experts (moe_plan.h, shared with the CUDA executor)
   size_t es = 2;                             // element size of cfg.dtype
   size_t off_topk = 0, off_w = 0, off_scales = 0, off_payload = 0, scale_bytes = 0, payload_bytes = 0;
   size_t row = 0, fmax = 0, dslot = 0, cslot = 0, slot_hdr = 16;
@@ -159,12 +155,11 @@ struct MoeBuffer::Impl {
   std::vector<float> comb_acc;                  // [F rows x hidden]: this forwarder's sums
   std::vector<uint8_t> comb_acc16;              // ... as bf16 for the wire
 
-  std::string ctx(const char* op) const { return errorContext(rank, op); }
+  std::string ctx(const char* op) const { return errorContext(topo.rank, op); }
   Deadline deadline() const {
     return cfg.timeout.count() > 0 ? Deadline::after(cfg.timeout) : comm->defaultDeadline();
   }
   uint32_t opTag() { return kTagBase + (static_cast<uint32_t>(ops++ % kTagCalls) << 16); }
-  int rankOfExpert(int64_t e) const { return static_cast<int>(e / epr); }
   bool quantized() const { return cfg.format != PayloadFormat::kNative; }
 
   Layout layout(const int64_t* topk_idx, size_t tokens, int num_experts, const char* op) const;
@@ -219,7 +214,7 @@ const MoeConfig& MoeBuffer::config() const {
   return impl_->cfg;
 }
 int MoeBuffer::numLocalExperts() const {
-  return impl_->epr;
+  return impl_->topo.epr;
 }
 size_t MoeBuffer::rowBytes() const {
   return impl_->row;
@@ -230,21 +225,8 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
   auto im = std::make_unique<Impl>();
   im->comm = comm;
   im->cfg = cfg;
-  im->rank = comm->rank();
-  im->R = comm->size();
   const char* op = "moe create";
-  {
-    MoeTopology t = makeTopology(*comm, cfg, op);
-    im->epr = t.epr;
-    im->N = t.N;
-    im->L = t.L;
-    im->me_node = t.me_node;
-    im->me_local = t.me_local;
-    im->node_ranks = t.node_ranks;
-    im->node_of = t.node_of;
-    im->local_of = t.local_of;
-    im->topo = std::move(t);
-  }
+  im->topo = makeTopology(*comm, cfg, op);
   {
     const RowFormat f = makeRowFormat(cfg);
     im->fmt = f;
@@ -268,7 +250,7 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
     im->chunk = ct == 0 ? cfg.max_tokens : std::min<size_t>(static_cast<size_t>(ct), cfg.max_tokens);
     im->chunk = std::max(im->chunk, (cfg.max_tokens + kMaxChunks - 1) / kMaxChunks);
   }
-  im->slot_hdr = align16(16 + 8 * static_cast<size_t>(im->R));
+  im->slot_hdr = align16(16 + 8 * static_cast<size_t>(im->topo.R));
   im->dslot = im->slot_hdr + im->fmax * im->row;
   {
     const int64_t mb = env::getInt("CROSSBAR_MOE_NET_MESSAGE_BYTES");
@@ -278,7 +260,7 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
                                                       mb));
     im->net_msg = static_cast<size_t>(mb);
   }
-  im->dsig_base.assign(im->L, 0);
+  im->dsig_base.assign(im->topo.L, 0);
   im->cslot = im->fmax * cfg.hidden * sizeof(float);
 
   symm::HeapOptions ho;
@@ -289,12 +271,12 @@ std::unique_ptr<MoeBuffer> MoeBuffer::create(std::shared_ptr<Communicator> comm,
   // A slot per forwarder of the largest node: the same size on every rank.
   im->dbuf = im->heap.allocate(static_cast<size_t>(im->topo.max_node) * im->dslot);
   im->cbuf = im->heap.allocate(static_cast<size_t>(im->topo.max_node) * im->cslot);
-  im->net_send.resize(im->N);
+  im->net_send.resize(im->topo.N);
   im->net_recv.resize(im->topo.fwd_sources.size());
   CB_INFO("moe",
           "MoE buffer: {} experts, top-{}, hidden {}, {} ({}), {} nodes, {} ranks on this one, row {} B",
           cfg.num_experts, cfg.topk, cfg.hidden, payloadFormatName(cfg.format),
-          cfg.dtype == DataType::kFloat32 ? "f32" : "bf16", im->N, im->L, im->row);
+          cfg.dtype == DataType::kFloat32 ? "f32" : "bf16", im->topo.N, im->topo.L, im->row);
   return std::unique_ptr<MoeBuffer>(new MoeBuffer(std::move(im)));
 }
 
@@ -310,7 +292,7 @@ Layout MoeBuffer::layout(const int64_t* topk_idx, size_t tokens, int num_experts
 void MoeBuffer::Impl::encodeRow(const void* x, const QuantizedTokens* xq, size_t t, const int64_t* topk_idx,
                                 const float* w, float gscale, uint8_t* out) const {
   const size_t k = static_cast<size_t>(cfg.topk), H = cfg.hidden;
-  RowHeader hdr{rank, static_cast<int32_t>(t), gscale, 0};
+  RowHeader hdr{topo.rank, static_cast<int32_t>(t), gscale, 0};
   std::memcpy(out, &hdr, sizeof hdr);
   std::memcpy(out + off_topk, topk_idx + t * k, 8 * k);
   float* wo = reinterpret_cast<float*>(out + off_w);
@@ -363,6 +345,7 @@ DispatchResult MoeBuffer::dispatch(const void* x, size_t tokens, const int64_t* 
 
 DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
   Impl& im = *impl_;
+  const MoeTopology& topo = im.topo;
   const char* op = "moe dispatch";
   const auto& cfg = im.cfg;
   const size_t k = static_cast<size_t>(cfg.topk), H = cfg.hidden, row = im.row;
@@ -483,41 +466,41 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
   // so no chunk's rendezvous waits for a receive posted late (its reply would queue behind the
   // reverse direction's bulk data on a congested link).
   const size_t C = im.chunk;
-  const auto& sources = im.topo.fwd_sources;  // [stream]: 0 is this rank's own rows
+  const auto& sources = topo.fwd_sources;  // [stream]: 0 is this rank's own rows
   const size_t S = sources.size();
-  const size_t how = 2 + static_cast<size_t>(im.topo.max_node);  // header words out (a node's size at most)
-  const size_t hw = 2 + static_cast<size_t>(im.L);               // header words in (about this node)
-  std::vector<uint64_t> hdr_out(static_cast<size_t>(im.N) * how, 0), hdr_in(S * hw, 0);
+  const size_t how = 2 + static_cast<size_t>(topo.max_node);  // header words out (a node's size at most)
+  const size_t hw = 2 + static_cast<size_t>(topo.L);               // header words in (about this node)
+  std::vector<uint64_t> hdr_out(static_cast<size_t>(topo.N) * how, 0), hdr_in(S * hw, 0);
   std::vector<RequestPtr> sends, hdr_req(S);
   size_t rounds = 0;
   for (size_t st = 1; st < S; ++st) {
     hdr_req[st] = im.comm->irecv(hdr_in.data() + st * hw, hw * 8, sources[st], tag);
     im.net_recv[st].resize(cfg.max_tokens * row);
   }
-  for (int m = 0; m < im.N; ++m) {
-    if (m == im.me_node) continue;
+  for (int m = 0; m < topo.N; ++m) {
+    if (m == topo.me_node) continue;
     const auto& list = h->node_send[m];
-    const auto& there = im.node_ranks[m];
+    const auto& there = topo.node_ranks[m];
     uint64_t* ho = hdr_out.data() + m * how;
     ho[0] = list.size();
     ho[1] = C;
     for (size_t l = 0; l < there.size(); ++l)
       ho[2 + l] = static_cast<uint64_t>(h->stats.tokens_per_rank[there[l]]);
-    sends.push_back(im.comm->isend(ho, (2 + there.size()) * 8, im.topo.forwarderOn(m, im.rank), tag));
+    sends.push_back(im.comm->isend(ho, (2 + there.size()) * 8, topo.forwarderOn(m, topo.rank), tag));
     im.net_send[m].resize(list.size() * row);
     rounds = std::max(rounds, dataChunks(list.size(), C));
     res.metrics.inter_node_bytes += list.size() * row;
   }
   clk.lap("post");
   for (size_t c = 0; c < rounds; ++c)
-    for (int m = 0; m < im.N; ++m) {
+    for (int m = 0; m < topo.N; ++m) {
       const auto& list = h->node_send[m];
-      if (m == im.me_node || c >= dataChunks(list.size(), C)) continue;
+      if (m == topo.me_node || c >= dataChunks(list.size(), C)) continue;
       const size_t lo = c * C, hi = std::min(list.size(), lo + C);
       uint8_t* buf = im.net_send[m].data();
       for (size_t i = lo; i < hi; ++i) encodeInto(list[i], buf + i * row);
       clk.lap("encode");
-      im.sendPieces(sends, buf + lo * row, (hi - lo) * row, im.topo.forwarderOn(m, im.rank),
+      im.sendPieces(sends, buf + lo * row, (hi - lo) * row, topo.forwarderOn(m, topo.rank),
                     tag + 1 + static_cast<uint32_t>(c));
       pump(sends);
       clk.lap("post");
@@ -530,17 +513,17 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
   // remote chunks as they arrive. The slot header tells the receiver how many rows each
   // source sends it and how many rows are in so far (one signal per update), so receivers
   // decode rows while later chunks are still on the wire.
-  for (int j = 0; j < im.L; ++j) {
-    int d = im.node_ranks[im.me_node][j];
-    if (d != im.rank && im.dispatches > 0) im.dbuf->waitSignal(d, kDispatchAck, dl);
+  for (int j = 0; j < topo.L; ++j) {
+    int d = topo.localRank(j);
+    if (d != topo.rank && im.dispatches > 0) im.dbuf->waitSignal(d, kDispatchAck, dl);
   }
   clk.lap("wait ack");
-  std::vector<char*> slot(im.L);  // our slot in each local rank's buffer
-  std::vector<size_t> pos(im.L, 0);
-  std::vector<uint32_t> nsig(im.L, 0);
-  std::vector<int32_t> blk(static_cast<size_t>(im.L) * im.R, 0);  // [local j][source rank]: rows so far
-  for (int j = 0; j < im.L; ++j) {
-    slot[j] = im.dbuf->peer<char>(im.node_ranks[im.me_node][j], static_cast<size_t>(im.me_local) * im.dslot);
+  std::vector<char*> slot(topo.L);  // our slot in each local rank's buffer
+  std::vector<size_t> pos(topo.L, 0);
+  std::vector<uint32_t> nsig(topo.L, 0);
+  std::vector<int32_t> blk(static_cast<size_t>(topo.L) * topo.R, 0);  // [local j][source rank]: rows so far
+  for (int j = 0; j < topo.L; ++j) {
+    slot[j] = im.dbuf->peer<char>(topo.localRank(j), static_cast<size_t>(topo.me_local) * im.dslot);
     std::memset(slot[j], 0, im.slot_hdr);
   }
   auto publish = [&](int lj, uint64_t flags) {
@@ -549,23 +532,23 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
     __atomic_store_n(&sh[0], static_cast<uint64_t>(pos[lj]), __ATOMIC_RELEASE);
     const uint64_t state = (__atomic_load_n(&sh[1], __ATOMIC_RELAXED) & ~uint64_t{0xFFFFFFFF}) | flags;
     __atomic_store_n(&sh[1], state | ++nsig[lj], __ATOMIC_RELEASE);
-    const int d = im.node_ranks[im.me_node][lj];
-    if (d != im.rank) im.dbuf->putSignal(d, kDispatchData);
+    const int d = topo.localRank(lj);
+    if (d != topo.rank) im.dbuf->putSignal(d, kDispatchData);
   };
-  h->fwd_to_local.assign(im.L, {});
-  std::vector<int64_t> mark(im.L, -1);
+  h->fwd_to_local.assign(topo.L, {});
+  std::vector<int64_t> mark(topo.L, -1);
   auto forward = [&](size_t f, const uint8_t* rec, int src) {
     const auto* idx = reinterpret_cast<const int64_t*>(rec + im.off_topk);
     for (size_t j = 0; j < k; ++j) {
       if (idx[j] < 0 || idx[j] >= cfg.num_experts) continue;
-      int r = im.rankOfExpert(idx[j]);
-      if (im.node_of[r] != im.me_node) continue;
-      int lj = im.local_of[r];
+      int r = topo.rankOfExpert(idx[j]);
+      if (topo.node_of[r] != topo.me_node) continue;
+      int lj = topo.local_of[r];
       if (mark[lj] == static_cast<int64_t>(f)) continue;
       mark[lj] = static_cast<int64_t>(f);
       char* dst = slot[lj] + im.slot_hdr + pos[lj] * row;
       std::memcpy(dst, rec, row);
-      const int32_t in_block = blk[static_cast<size_t>(lj) * im.R + src]++;
+      const int32_t in_block = blk[static_cast<size_t>(lj) * topo.R + src]++;
       std::memcpy(dst + offsetof(RowHeader, reserved), &in_block, 4);
       ++pos[lj];
       h->fwd_to_local[lj].push_back(static_cast<int32_t>(f));
@@ -575,7 +558,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
   h->fwd_count.assign(S, 0);
   h->fwd_chunk.assign(S, C);
   {
-    const auto& own = h->node_send[im.me_node];
+    const auto& own = h->node_send[topo.me_node];
     h->fwd_count[0] = own.size();
     for (size_t i = 0; i < own.size(); ++i) {
       encodedRow(own[i]);
@@ -583,7 +566,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
     }
     clk.lap("encode");
     for (size_t i = 0; i < own.size(); ++i) {
-      forward(i, encodedRow(own[i]), im.rank);
+      forward(i, encodedRow(own[i]), topo.rank);
       if (i % 8 == 7) pump(sends);
     }
     clk.lap("forward");
@@ -596,9 +579,9 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
     uint64_t published = 0, decoded = 0, final_signals = 0, state = 0;
     bool counts = false, final = false, done = false;
   };
-  std::vector<FromForwarder> ff(im.L);
-  for (int j = 0; j < im.L; ++j) ff[j].signals = im.dsig_base[j];
-  std::vector<int64_t> src_count(im.R, -1), src_off(im.R + 1, 0);
+  std::vector<FromForwarder> ff(topo.L);
+  for (int j = 0; j < topo.L; ++j) ff[j].signals = im.dsig_base[j];
+  std::vector<int64_t> src_count(topo.R, -1), src_off(topo.R + 1, 0);
   std::vector<const uint8_t*> rec_of;  // [output row]: its record in our slots
   bool sized = false;
   size_t n = 0;
@@ -608,11 +591,11 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
   // own decode (fp8's dequantize costs more than bf16's copy).
   auto receive = [&](size_t budget) -> bool {
     bool moved = false;
-    for (int j = 0; j < im.L; ++j) {
+    for (int j = 0; j < topo.L; ++j) {
       FromForwarder& s = ff[j];
       if (s.done) continue;
-      const int f = im.node_ranks[im.me_node][j];
-      if (f != im.rank) {
+      const int f = topo.localRank(j);
+      if (f != topo.rank) {
         const uint64_t v = im.dbuf->signalValue(f, kDispatchData);
         if (v == s.signals) continue;
         s.signals = v;
@@ -620,12 +603,12 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       auto* sh = reinterpret_cast<uint64_t*>(mySlot(j));
       const uint64_t state = __atomic_load_n(&sh[1], __ATOMIC_ACQUIRE);
       const uint64_t published = __atomic_load_n(&sh[0], __ATOMIC_ACQUIRE);
-      if (f == im.rank && published == s.published && state == s.state) continue;  // own slot: unchanged
+      if (f == topo.rank && published == s.published && state == s.state) continue;  // own slot: unchanged
       s.published = published;
       s.state = state;
       if ((state & kSlotCounts) && !s.counts) {
         s.counts = true;
-        for (int src : im.topo.sources_via[j]) src_count[src] = static_cast<int64_t>(sh[2 + src]);
+        for (int src : topo.sources_via[j]) src_count[src] = static_cast<int64_t>(sh[2 + src]);
       }
       if (state & kSlotFinal) {
         s.final = true;
@@ -637,20 +620,20 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       moved = true;
     }
     if (!sized) {
-      for (int j = 0; j < im.L; ++j)
+      for (int j = 0; j < topo.L; ++j)
         if (!ff[j].counts) return moved;
-      for (int s = 0; s < im.R; ++s) src_off[s + 1] = src_off[s] + src_count[s];
-      n = static_cast<size_t>(src_off[im.R]);
-      if (n > im.fmax * static_cast<size_t>(im.L))
-        throw InternalError(im.ctx(op) + fmt::format("{} rows announced (at most {} fit)", n, im.fmax * im.L));
-      h->recv_rows.assign(im.L, {});
-      for (int j = 0; j < im.L; ++j) {
+      for (int s = 0; s < topo.R; ++s) src_off[s + 1] = src_off[s] + src_count[s];
+      n = static_cast<size_t>(src_off[topo.R]);
+      if (n > im.fmax * static_cast<size_t>(topo.L))
+        throw InternalError(im.ctx(op) + fmt::format("{} rows announced (at most {} fit)", n, im.fmax * topo.L));
+      h->recv_rows.assign(topo.L, {});
+      for (int j = 0; j < topo.L; ++j) {
         size_t cnt = 0;
-        for (int src : im.topo.sources_via[j]) cnt += static_cast<size_t>(src_count[src]);
+        for (int src : topo.sources_via[j]) cnt += static_cast<size_t>(src_count[src]);
         if (cached && cnt != cached->recv_rows[j].size())
           throw InvalidUsage(im.ctx(op) + fmt::format("rank {} forwards {} rows where the cached handle "
                                                       "expects {}",
-                                                      im.node_ranks[im.me_node][j], cnt,
+                                                      topo.localRank(j), cnt,
                                                       cached->recv_rows[j].size()));
         h->recv_rows[j].assign(cnt, -1);
       }
@@ -666,7 +649,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       clk.lap("alloc");
       sized = true;
     }
-    for (int j = 0; j < im.L; ++j) {
+    for (int j = 0; j < topo.L; ++j) {
       FromForwarder& s = ff[j];
       if (s.done) continue;
       const char* base = mySlot(j) + im.slot_hdr;
@@ -674,16 +657,16 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
         const uint8_t* rec = reinterpret_cast<const uint8_t*>(base + s.decoded * row);
         RowHeader hd;
         std::memcpy(&hd, rec, sizeof hd);
-        if (hd.src_rank < 0 || hd.src_rank >= im.R || im.topo.forwarderLocal(hd.src_rank) != j ||
+        if (hd.src_rank < 0 || hd.src_rank >= topo.R || topo.forwarderLocal(hd.src_rank) != j ||
             hd.reserved < 0 || hd.reserved >= src_count[hd.src_rank])
           throw InternalError(im.ctx(op) + fmt::format("rank {} forwarded a row of rank {} (index {}) that "
                                                        "was not announced",
-                                                       im.node_ranks[im.me_node][j], hd.src_rank, hd.reserved));
+                                                       topo.localRank(j), hd.src_rank, hd.reserved));
         const size_t i = static_cast<size_t>(src_off[hd.src_rank] + hd.reserved);
         if (s.decoded >= h->recv_rows[j].size() || rec_of[i])
           throw InternalError(im.ctx(op) + fmt::format("rank {} forwarded row {} of rank {} twice or too "
                                                        "many rows",
-                                                       im.node_ranks[im.me_node][j], hd.reserved, hd.src_rank));
+                                                       topo.localRank(j), hd.reserved, hd.src_rank));
         rec_of[i] = rec;
         h->recv_rows[j][s.decoded] = static_cast<int32_t>(i);
         if (want_x) im.decodeRow(rec, res.x.data() + i * H * im.es);
@@ -695,11 +678,11 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
         moved = true;
         if (s.decoded % 8 == 7) pump(sends);
       }
-      const bool all_signals = im.node_ranks[im.me_node][j] == im.rank || s.signals == s.final_signals;
+      const bool all_signals = topo.localRank(j) == topo.rank || s.signals == s.final_signals;
       if (s.final && all_signals && s.decoded == s.published) {
         if (s.decoded != h->recv_rows[j].size())
           throw InternalError(im.ctx(op) + fmt::format("rank {} forwarded {} rows but announced {}",
-                                                       im.node_ranks[im.me_node][j], s.decoded,
+                                                       topo.localRank(j), s.decoded,
                                                        h->recv_rows[j].size()));
         s.done = true;
       }
@@ -773,9 +756,9 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
     if (headers_left == 0 && !counts_out) {
       // F order: own block, then the sources' blocks in stream (rank) order.
       for (size_t st = 1; st < S; ++st) h->fwd_start[st] = h->fwd_start[st - 1] + h->fwd_count[st - 1];
-      for (int lj = 0; lj < im.L; ++lj) {
+      for (int lj = 0; lj < topo.L; ++lj) {
         auto* sh = reinterpret_cast<uint64_t*>(slot[lj]);
-        sh[2 + im.rank] = static_cast<uint64_t>(h->stats.tokens_per_rank[im.node_ranks[im.me_node][lj]]);
+        sh[2 + topo.rank] = static_cast<uint64_t>(h->stats.tokens_per_rank[topo.localRank(lj)]);
         for (size_t st = 1; st < S; ++st) sh[2 + sources[st]] = hdr_in[st * hw + 2 + lj];
         publish(lj, kSlotCounts);
       }
@@ -801,7 +784,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
         fwd_any = true;
       }
       if (fwd_any) {
-        for (int lj = 0; lj < im.L; ++lj) publish(lj, 0);
+        for (int lj = 0; lj < topo.L; ++lj) publish(lj, 0);
         clk.lap("forward");
         moved = true;
       }
@@ -811,7 +794,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       for (size_t st = 1; st < S; ++st)
         if (net_in[st].forwarded < h->fwd_count[st]) all_forwarded = false;
       if (all_forwarded) {
-        for (int lj = 0; lj < im.L; ++lj) publish(lj, kSlotFinal);
+        for (int lj = 0; lj < topo.L; ++lj) publish(lj, kSlotFinal);
         final_out = true;
         moved = true;
       }
@@ -828,19 +811,19 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
         if (!header_in[st] || net_in[st].forwarded < h->fwd_count[st])
           missing += fmt::format(" rows from rank {} ({}/{} rows);", sources[st], net_in[st].forwarded,
                                  header_in[st] ? std::to_string(h->fwd_count[st]) : "?");
-      for (int j = 0; j < im.L; ++j)
+      for (int j = 0; j < topo.L; ++j)
         if (!ff[j].done)
           missing += fmt::format(" rows forwarded by local rank {} ({} so far{});",
-                                 im.node_ranks[im.me_node][j], ff[j].decoded, ff[j].final ? ", final" : "");
+                                 topo.localRank(j), ff[j].decoded, ff[j].final ? ", final" : "");
       throw Timeout(im.ctx(op) + "the deadline passed while waiting for" + missing +
                         " check that every rank calls dispatch",
                     {});
     }
     // Nothing to do: sleep on the network (or briefly) until something may have moved.
     auto slotsMoved = [&] {
-      for (int j = 0; j < im.L; ++j) {
-        const int f = im.node_ranks[im.me_node][j];
-        if (f != im.rank && !ff[j].done && im.dbuf->signalValue(f, kDispatchData) != ff[j].signals) return true;
+      for (int j = 0; j < topo.L; ++j) {
+        const int f = topo.localRank(j);
+        if (f != topo.rank && !ff[j].done && im.dbuf->signalValue(f, kDispatchData) != ff[j].signals) return true;
       }
       return false;
     };
@@ -850,10 +833,10 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
       // Only local forwarders left (our own forwarding is done): sleep until the first one
       // that has more to send signals again.
       bool waited = false;
-      for (int j = 0; j < im.L && !waited; ++j) {
-        const int f = im.node_ranks[im.me_node][j];
+      for (int j = 0; j < topo.L && !waited; ++j) {
+        const int f = topo.localRank(j);
         // Skip forwarders that sent their last signal (they may wait for others' counts).
-        if (f == im.rank || ff[j].done || (ff[j].final && ff[j].signals == ff[j].final_signals)) continue;
+        if (f == topo.rank || ff[j].done || (ff[j].final && ff[j].signals == ff[j].final_signals)) continue;
         im.dbuf->waitSignalValue(f, kDispatchData, ff[j].signals + 1, dl);
         waited = true;
       }
@@ -861,18 +844,18 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
     }
     clk.lap(final_out ? "wait local" : "wait net");
   }
-  for (int j = 0; j < im.L; ++j)
-    if (im.node_ranks[im.me_node][j] != im.rank) im.dsig_base[j] = ff[j].final_signals;
+  for (int j = 0; j < topo.L; ++j)
+    if (topo.localRank(j) != topo.rank) im.dsig_base[j] = ff[j].final_signals;
   im.comm->waitAll(sends, dl);
   clk.lap("wait sends");
-  for (int j = 0; j < im.L; ++j)
-    if (im.node_ranks[im.me_node][j] != im.rank) res.metrics.intra_node_bytes += pos[j] * row;
+  for (int j = 0; j < topo.L; ++j)
+    if (topo.localRank(j) != topo.rank) res.metrics.intra_node_bytes += pos[j] * row;
 
   h->num_recv = n;
   res.num_recv = n;
   res.src_rank.resize(n);
   res.src_token.resize(n);
-  res.recv_per_rank.assign(im.R, 0);
+  res.recv_per_rank.assign(topo.R, 0);
   res.topk_idx.resize(n * k);
   res.topk_weights.resize(n * k);
   ExpertAssigner assigner(im.topo, cfg.topk, cfg.expert_capacity);
@@ -897,9 +880,9 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
   res.metrics.dropped = assigner.dropped();
   clk.lap("decode");
   // Our slots are copied out: the forwarders may overwrite them (next dispatch).
-  for (int j = 0; j < im.L; ++j) {
-    int f = im.node_ranks[im.me_node][j];
-    if (f != im.rank) im.dbuf->putSignal(f, kDispatchAck);
+  for (int j = 0; j < topo.L; ++j) {
+    int f = topo.localRank(j);
+    if (f != topo.rank) im.dbuf->putSignal(f, kDispatchAck);
   }
   ++im.dispatches;
 
@@ -935,6 +918,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
 
 CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle& h, const float* weights) {
   Impl& im = *impl_;
+  const MoeTopology& topo = im.topo;
   const char* op = "moe combine";
   const size_t H = im.cfg.hidden;
   if (h.owner != this) throw InvalidArgument(im.ctx(op) + "the handle comes from another MoeBuffer");
@@ -948,11 +932,11 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   PhaseClock clk(res.metrics.phases);
 
   // 1. each output row goes back to the local forwarder it came from, as f32.
-  for (int j = 0; j < im.L; ++j) {
-    int f = im.node_ranks[im.me_node][j];
-    if (f != im.rank && im.combines > 0) im.cbuf->waitSignal(f, kCombineAck, dl);
+  for (int j = 0; j < topo.L; ++j) {
+    int f = topo.localRank(j);
+    if (f != topo.rank && im.combines > 0) im.cbuf->waitSignal(f, kCombineAck, dl);
     clk.lap("wait ack");
-    float* slot = im.cbuf->peer<float>(f, static_cast<size_t>(im.me_local) * im.cslot);
+    float* slot = im.cbuf->peer<float>(f, static_cast<size_t>(topo.me_local) * im.cslot);
     const auto& rows = h.recv_rows[j];
     for (size_t p = 0; p < rows.size(); ++p) {
       const char* src = static_cast<const char*>(y) + static_cast<size_t>(rows[p]) * H * yes;
@@ -964,7 +948,7 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
       else
         scaleRowHost(dst, reinterpret_cast<const BFloat16*>(src), w, H);
     }
-    if (f != im.rank) {
+    if (f != topo.rank) {
       im.cbuf->putSignal(f, kCombineData);
       res.metrics.intra_node_bytes += rows.size() * H * sizeof(float);
     }
@@ -977,17 +961,17 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   const bool wire16 = im.cfg.combine_wire == DataType::kBFloat16;
   const size_t ws = wire16 ? 2 : 4;
   auto& back = im.comb_back;
-  back.resize(im.N);
-  std::vector<std::vector<RequestPtr>> recvs(im.N);                     // [node]: every message
-  std::vector<std::vector<std::vector<RequestPtr>>> recv_chunks(im.N);  // [node][chunk]: its messages
-  for (int m = 0; m < im.N; ++m) {
+  back.resize(topo.N);
+  std::vector<std::vector<RequestPtr>> recvs(topo.N);                     // [node]: every message
+  std::vector<std::vector<std::vector<RequestPtr>>> recv_chunks(topo.N);  // [node][chunk]: its messages
+  for (int m = 0; m < topo.N; ++m) {
     const size_t count = h.node_send[m].size();
-    if (m == im.me_node || count == 0) continue;
+    if (m == topo.me_node || count == 0) continue;
     back[m].resize(count * H * ws);
     for (size_t lo = 0, c = 0; lo < count; lo += h.chunk, ++c) {
       const size_t rows = std::min(h.chunk, count - lo);
       recv_chunks[m].push_back(im.recvPieces(back[m].data() + lo * H * ws, rows * H * ws,
-                                             im.topo.forwarderOn(m, im.rank),
+                                             topo.forwarderOn(m, topo.rank),
                                              tag + static_cast<uint32_t>(c)));
       recvs[m].insert(recvs[m].end(), recv_chunks[m].back().begin(), recv_chunks[m].back().end());
     }
@@ -998,12 +982,12 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   // the result does not depend on the chunk size), and send each remote node's chunk as soon as
   // it is summed: chunk k crosses the network while chunk k+1 is being summed. Streams as in
   // dispatch: [0] the own rows, then one per source this rank forwards for.
-  const auto& sources = im.topo.fwd_sources;
+  const auto& sources = topo.fwd_sources;
   const size_t S = sources.size();
-  for (int j = 0; j < im.L; ++j) {
-    int d = im.node_ranks[im.me_node][j];
+  for (int j = 0; j < topo.L; ++j) {
+    int d = topo.localRank(j);
     // One kCombineData signal per call from every local rank (a counter, never consumed).
-    if (d != im.rank) im.waitCounter(*im.cbuf, d, kCombineData, im.combines + 1, recvs, dl, op);
+    if (d != topo.rank) im.waitCounter(*im.cbuf, d, kCombineData, im.combines + 1, recvs, dl, op);
   }
   clk.lap("wait local");
   size_t nf = 0;
@@ -1015,7 +999,7 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
   std::vector<const float*> contrib(first[nf]);
   {
     std::vector<size_t> fill(first.begin(), first.end() - 1);
-    for (int j = 0; j < im.L; ++j) {
+    for (int j = 0; j < topo.L; ++j) {
       const float* s = im.cbuf->local<float>(static_cast<size_t>(j) * im.cslot);
       const auto& list = h.fwd_to_local[j];
       for (size_t p = 0; p < list.size(); ++p) contrib[fill[list[p]]++] = s + p * H;
@@ -1057,18 +1041,18 @@ CombineResult MoeBuffer::combine(const void* y, DataType y_type, const MoeHandle
     if (i % 8 == 7) pump(sends);
   }
   clk.lap("reduce");
-  for (int j = 0; j < im.L; ++j) {
-    int d = im.node_ranks[im.me_node][j];
-    if (d != im.rank) im.cbuf->putSignal(d, kCombineAck);
+  for (int j = 0; j < topo.L; ++j) {
+    int d = topo.localRank(j);
+    if (d != topo.rank) im.cbuf->putSignal(d, kCombineAck);
   }
   ++im.combines;
 
   // 3. as source: sum the nodes' partials per token in node order (deterministic), each chunk
   // as it arrives.
   res.out.assign(h.tokens * H, 0.0f);
-  for (int m = 0; m < im.N; ++m) {
+  for (int m = 0; m < topo.N; ++m) {
     const auto& list = h.node_send[m];
-    const bool own = m == im.me_node;
+    const bool own = m == topo.me_node;
     for (size_t i = 0; i < list.size(); ++i) {
       if (!own && i % h.chunk == 0) {
         clk.lap("sum");
