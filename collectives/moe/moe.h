@@ -9,7 +9,7 @@
 //
 // Placement: expert e lives on rank e / (E / R). Routing (DeepEP's design): a token goes
 // over the network at most once per destination node, to the rank there with the sender's
-// local index (its "forwarder"); the forwarder (or the sender itself for its own node)
+// local index, modulo that node's size when nodes differ (its "forwarder"); the forwarder (or the sender itself for its own node)
 // writes it once per destination rank into that rank's symmetric buffer. Combine mirrors
 // it: each rank writes its outputs back to the forwarder, which sums them (f32) before
 // the partial sums cross the network once per node; the source sums the nodes' partials.
