@@ -469,7 +469,7 @@ DispatchResult MoeBuffer::dispatch(const DispatchArgs& args) {
   const auto& sources = topo.fwd_sources;  // [stream]: 0 is this rank's own rows
   const size_t S = sources.size();
   const size_t how = 2 + static_cast<size_t>(topo.max_node);  // header words out (a node's size at most)
-  const size_t hw = 2 + static_cast<size_t>(topo.L);               // header words in (about this node)
+  const size_t hw = 2 + static_cast<size_t>(topo.L);          // header words in (about this node)
   std::vector<uint64_t> hdr_out(static_cast<size_t>(topo.N) * how, 0), hdr_in(S * hw, 0);
   std::vector<RequestPtr> sends, hdr_req(S);
   size_t rounds = 0;

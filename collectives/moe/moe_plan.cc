@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <map>
-#include <numeric>
 
 #include "comm/errors.h"
 #include "comm/log.h"
@@ -57,8 +56,8 @@ MoeTopology makeTopology(const Communicator& comm, const MoeConfig& cfg, const c
   t.me_node = t.node_of[t.rank];
   t.me_local = t.local_of[t.rank];
   t.L = static_cast<int>(t.node_ranks[t.me_node].size());
-  t.uneven_nodes = std::any_of(t.node_ranks.begin(), t.node_ranks.end(),
-                               [&](const auto& n) { return static_cast<int>(n.size()) != t.L; });
+  const bool uneven = std::any_of(t.node_ranks.begin(), t.node_ranks.end(),
+                                 [&](const auto& n) { return static_cast<int>(n.size()) != t.L; });
   // Who forwards for whom, from every rank's point of view (max_sources must agree everywhere).
   std::vector<int> sources(t.R, 1);  // [rank]: sources it forwards for, itself included
   for (int s = 0; s < t.R; ++s)
@@ -72,7 +71,7 @@ MoeTopology makeTopology(const Communicator& comm, const MoeConfig& cfg, const c
     t.sources_via[t.local_of[f]].push_back(s);
     if (f == t.rank && s != t.rank) t.fwd_sources.push_back(s);
   }
-  if (t.uneven_nodes && t.rank == 0) {
+  if (uneven && t.rank == 0) {
     std::string sizes;
     for (const auto& n : t.node_ranks) sizes += fmt::format("{}{}", sizes.empty() ? "" : ", ", n.size());
     CB_INFO("moe",

@@ -24,7 +24,6 @@ struct MoeTopology {
   int L = 1;            // ranks on this rank's node
   int max_node = 1;     // ranks on the largest node (sizes the symmetric buffers alike everywhere)
   int max_sources = 1;  // the most sources any rank forwards for (its own rows included)
-  bool uneven_nodes = false;
   std::vector<std::vector<int>> node_ranks;  // [node index][local index] -> rank
   std::vector<int> node_of;                  // rank -> node index
   std::vector<int> local_of;                 // rank -> local index in its node
