@@ -16,9 +16,11 @@ namespace crossbar::moe {
 
 // Nodes in order of their first rank (they may differ in size: a shrunk fault-tolerant
 // communicator, an uneven launch). Expert e lives on rank e / epr. Rank s's tokens for node m
-// cross the network once, to m's rank with local index s mod |m| (s's own local index when
-// the nodes are even), which writes them into the buffers of the ranks of m holding their
-// experts: that rank forwards for s.
+// cross the network once, to one rank of m, which writes them into the buffers of the ranks of
+// m holding their experts: that rank forwards for s. It is the rank with s's local index when
+// m has one (always, on even nodes); the sources whose local index m lacks are dealt round-robin
+// over m's ranks, so on {8,8,8,7} each of three ranks of the small node forwards one extra
+// source instead of one rank forwarding three (max_sources, which sizes every buffer: 5, not 7).
 struct MoeTopology {
   int rank = 0, R = 1, N = 1, me_node = 0, me_local = 0, epr = 1;
   int L = 1;            // ranks on this rank's node
@@ -31,16 +33,15 @@ struct MoeTopology {
   std::vector<int> fwd_sources;
   // [local j]: the ranks (any node) whose rows local rank j forwards to this node's ranks.
   std::vector<std::vector<int>> sources_via;
+  std::vector<std::vector<int>> forwarder;  // [node m][source rank] -> forwarderOn(m, s); s on m: s
   int rankOfExpert(int64_t e) const { return static_cast<int>(e / epr); }
   // The rank of this rank's node with local index j.
   int localRank(int j) const { return node_ranks[me_node][j]; }
   // The rank of node m that forwards `src`'s tokens for m.
-  int forwarderOn(int m, int src) const {
-    const auto& n = node_ranks[m];
-    return n[static_cast<size_t>(local_of[src]) % n.size()];
-  }
-  // Local index (on this rank's node) of the rank that forwards `src`'s rows here.
-  int forwarderLocal(int src) const { return local_of[src] % L; }
+  int forwarderOn(int m, int src) const { return forwarder[m][src]; }
+  // Local index (on this rank's node) of the rank that forwards `src`'s rows here (src's own
+  // local index when src is on this node: it writes its rows itself).
+  int forwarderLocal(int src) const { return local_of[forwarder[me_node][src]]; }
 };
 
 // Validates cfg for `comm` (InvalidArgument / Unsupported naming rank and operation) and

@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
+#include <tuple>
 
 #include "collectives/float_types.h"
 #include "collectives/moe/moe.h"
@@ -366,6 +368,66 @@ TEST(Moe, UnevenNodes4And2) {
 }
 TEST(Moe, UnevenNodes2And2And1) {
   runTopology(5, 2);
+}
+// {0,1,2} | {3,4,5} | {6,7}: ranks 2 and 5 (local index 2) have no counterpart on the last
+// node, which deals them out (2 -> 6, 5 -> 7) instead of giving both to rank 6.
+TEST(Moe, UnevenNodes3And3And2) {
+  runTopology(8, 3);
+}
+
+// Who forwards for whom on uneven nodes (moe_plan.h), checked on every rank against the
+// rule: the same local index when the node has it, the others dealt round-robin.
+void topologyBody(RankEnv& env) {
+  auto comm = env.communicator();
+  MoeConfig cfg;
+  cfg.max_tokens = 4;
+  cfg.hidden = 8;
+  cfg.topk = 2;
+  cfg.num_experts = comm->size();
+  const MoeTopology t = makeTopology(*comm, cfg, "test");
+  std::vector<int> sources(t.R, 1);
+  for (int m = 0; m < t.N; ++m) {
+    const auto& there = t.node_ranks[m];
+    for (int s = 0; s < t.R; ++s) {
+      const int f = t.forwarderOn(m, s);
+      ASSERT_EQ(t.node_of[f], m) << "source " << s;
+      if (t.node_of[s] == m) {
+        EXPECT_EQ(f, s);
+        continue;
+      }
+      ++sources[f];
+      if (t.local_of[s] < static_cast<int>(there.size())) {
+        EXPECT_EQ(t.local_of[f], t.local_of[s]) << "source " << s;
+      }
+    }
+  }
+  EXPECT_EQ(t.max_sources, *std::max_element(sources.begin(), sources.end()));
+  // This rank's own lists agree with the table.
+  ASSERT_FALSE(t.fwd_sources.empty());
+  EXPECT_EQ(t.fwd_sources[0], t.rank);
+  EXPECT_EQ(static_cast<int>(t.fwd_sources.size()), sources[t.rank]);
+  for (size_t i = 1; i < t.fwd_sources.size(); ++i)
+    EXPECT_EQ(t.forwarderOn(t.me_node, t.fwd_sources[i]), t.rank);
+  for (int j = 0; j < t.L; ++j)
+    for (int s : t.sources_via[j]) EXPECT_EQ(t.forwarderLocal(s), j);
+  const char* sizes_env = std::getenv("XB_TEST_NODE_SIZES");
+  const std::string sizes = sizes_env ? sizes_env : "";
+  if (sizes == "3,3,2") {
+    EXPECT_EQ(t.max_sources, 4);  // the last node's ranks forward for 2 + 1 sources each, plus themselves
+    if (t.rank >= 6) {
+      EXPECT_EQ(t.fwd_sources.size(), 4u);
+    }
+  } else if (sizes == "4,4,4,3") {
+    EXPECT_EQ(t.max_sources, 5);  // three extra sources dealt to ranks 12, 13, 14: one each
+  }
+}
+
+TEST(MoeTopology, DealsMissingLocalIndicesRoundRobin) {
+  for (auto [ranks, per_node, sizes] : {std::tuple{8, 3, "3,3,2"}, std::tuple{15, 4, "4,4,4,3"}}) {
+    RunOptions o = testing::withRanksPerNode(per_node);
+    o.env["XB_TEST_NODE_SIZES"] = sizes;
+    runRanks(ranks, topologyBody, o);
+  }
 }
 
 TEST(MoeRouting, NodeLimitedAndDeterministic) {

@@ -3,12 +3,12 @@
 // (moe.h) delivers: received rows in the same (source rank, token) order, the same local
 // expert ids (capacity drops included), per-expert counts, expert-major index, byte counts
 // and dedup metrics. The forwarding lists must be consistent across ranks: what forwarder f
-// writes to rank d is what d expects from f. Topologies 1x1, 1x2, 1x4, 2x2 and nodes of 4 and 2, and of 2, 2
-// and 1 ranks (virtual nodes). Then the executor's data movement is emulated on the CPU with the plan's and
-// the kernels' index arrays (cudaMoeSumIndex, cudaMoeForwardPhases), in the executor's order of operations
-// (several nodes: own rows forwarded / summed while the network phase is in flight), over
-// host p2p: the received rows and the plain, weighted and expert-major combines must equal
-// the host executor's bit for bit.
+// writes to rank d is what d expects from f. Topologies 1x1, 1x2, 1x4, 2x2 and nodes of 4 and 2, of 2, 2 and
+// 1, and of 3, 3 and 2 ranks (virtual nodes). Then the executor's data movement is emulated on the CPU with
+// the plan's and the kernels' index arrays (cudaMoeSumIndex, cudaMoeForwardPhases), in the executor's order
+// of operations (several nodes: own rows forwarded / summed while the network phase is in flight), over host
+// p2p: the received rows and the plain, weighted and expert-major combines must equal the host executor's bit
+// for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -345,6 +345,9 @@ TEST(MoeCudaPlan, UnevenNodes4And2) {
 }
 TEST(MoeCudaPlan, UnevenNodes2And2And1) {
   runTopology(5, 2);
+}
+TEST(MoeCudaPlan, UnevenNodes3And3And2) {  // the last node deals out local index 2's sources
+  runTopology(8, 3);
 }
 
 }  // namespace
