@@ -86,8 +86,9 @@ MoeTopology makeTopology(const Communicator& comm, const MoeConfig& cfg, const c
     std::string sizes;
     for (const auto& n : t.node_ranks) sizes += fmt::format("{}{}", sizes.empty() ? "" : ", ", n.size());
     CB_INFO("moe",
-            "{}nodes of {} ranks: a smaller node's ranks forward for up to {} ranks of a larger node "
-            "(tokens still cross the network once per destination node)",
+            "{}nodes of {} ranks: a rank forwards the tokens of up to {} ranks of other nodes (a "
+            "smaller node's ranks serve several of a larger one; tokens still cross the network once "
+            "per destination node)",
             ctx, sizes, t.max_sources - 1);
   }
   return t;
