@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -31,6 +32,7 @@
 #include "comm/communicator.h"
 #include "comm/errors.h"
 #include "comm/local_launch.h"
+#include "perf/bench_flags.h"
 #if defined(CROSSBAR_HAVE_MOE_CUDA)
 #include <cuda_runtime_api.h>
 
@@ -49,18 +51,6 @@ struct Options {
   std::vector<PayloadFormat> formats{PayloadFormat::kNative, PayloadFormat::kFp8, PayloadFormat::kMxfp8,
                                      PayloadFormat::kNvfp4};
 };
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  size_t p = 0;
-  while (p <= s.size()) {
-    size_t q = s.find(',', p);
-    if (q == std::string::npos) q = s.size();
-    if (q > p) out.push_back(s.substr(p, q - p));
-    p = q + 1;
-  }
-  return out;
-}
 
 PayloadFormat parseFormat(const std::string& s) {
   for (auto f : {PayloadFormat::kNative, PayloadFormat::kFp8, PayloadFormat::kMxfp8, PayloadFormat::kNvfp4})
@@ -285,52 +275,40 @@ int main(int argc, char** argv) {
   using namespace crossbar::moe;
   Options o;
   try {
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i];
-      auto next = [&]() -> std::string {
-        if (i + 1 >= argc) throw InvalidArgument(a + " needs a value");
-        return argv[++i];
-      };
-      if (a == "--nranks")
-        o.nranks = std::stoi(next());
-      else if (a == "--ranks-per-node")
-        o.ranks_per_node = std::stoi(next());
-      else if (a == "--experts")
-        o.experts = std::stoi(next());
-      else if (a == "--topk")
-        o.topk = std::stoi(next());
-      else if (a == "--max-nodes")
-        o.max_nodes = std::stoi(next());
-      else if (a == "--zipf")
-        o.zipf = std::stod(next());
-      else if (a == "--iters")
-        o.iters = std::max(1, std::stoi(next()));
-      else if (a == "--warmup")
-        o.warmup = std::stoi(next());
-      else if (a == "--fp8-io") {
-        const std::string m = next();
-        if (m != "dequantized" && m != "quantized")
-          throw InvalidArgument("--fp8-io: dequantized or quantized, not '" + m + "'");
-        o.quantized_io = m == "quantized";
-      } else if (a == "--mem") {
-        const std::string m = next();
-        if (m != "host" && m != "cuda") throw InvalidArgument("--mem: host or cuda, not '" + m + "'");
-        o.mem_cuda = m == "cuda";
-      }
-      else if (a == "--tokens" || a == "--hidden") {
-        std::vector<size_t> v;
-        for (auto& s : split(next())) v.push_back(std::stoul(s));
-        (a == "--tokens" ? o.tokens : o.hidden) = v;
-      } else if (a == "--formats") {
+    perf::BenchFlags f(argc, argv);
+    while (f.next()) {
+      if (f.is("--nranks"))
+        o.nranks = static_cast<int>(f.integer(1, 4096));
+      else if (f.is("--ranks-per-node"))
+        o.ranks_per_node = static_cast<int>(f.integer(1, 4096));
+      else if (f.is("--experts"))
+        o.experts = static_cast<int>(f.integer(1, INT_MAX));
+      else if (f.is("--topk"))
+        o.topk = static_cast<int>(f.integer(1, 1024));
+      else if (f.is("--max-nodes"))
+        o.max_nodes = static_cast<int>(f.integer(INT_MIN, INT_MAX));
+      else if (f.is("--zipf"))
+        o.zipf = f.real();
+      else if (f.is("--iters"))
+        o.iters = static_cast<int>(f.integer(1, INT_MAX));
+      else if (f.is("--warmup"))
+        o.warmup = static_cast<int>(f.integer(0, INT_MAX));
+      else if (f.is("--fp8-io"))
+        o.quantized_io = f.choice({"dequantized", "quantized"}) == "quantized";
+      else if (f.is("--mem"))
+        o.mem_cuda = f.choice({"host", "cuda"}) == "cuda";
+      else if (f.is("--tokens"))
+        o.tokens = f.integers(0);
+      else if (f.is("--hidden"))
+        o.hidden = f.integers(1);
+      else if (f.is("--formats")) {
         o.formats.clear();
-        for (auto& s : split(next())) o.formats.push_back(parseFormat(s));
+        for (auto& s : f.list()) o.formats.push_back(parseFormat(s));
       } else {
-        std::fprintf(stderr,
-                     "usage: %s [--nranks N] [--ranks-per-node K] [--tokens a,b] [--hidden a,b] "
-                     "[--formats native,fp8,mxfp8,nvfp4] [--experts E] [--topk k] [--max-nodes M] [--zipf s] "
-                     "[--iters n] [--warmup n] [--mem host|cuda] [--fp8-io dequantized|quantized]\n",
-                     argv[0]);
-        return a == "--help" || a == "-h" ? 0 : 2;
+        return f.usage(
+            "[--nranks N] [--ranks-per-node K] [--tokens a,b] [--hidden a,b] "
+            "[--formats native,fp8,mxfp8,nvfp4] [--experts E] [--topk k] [--max-nodes M] [--zipf s] "
+            "[--iters n] [--warmup n] [--mem host|cuda] [--fp8-io dequantized|quantized]");
       }
     }
     if (o.mem_cuda && o.quantized_io) {

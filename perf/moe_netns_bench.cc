@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -45,6 +46,7 @@
 #include "comm/communicator.h"
 #include "comm/errors.h"
 #include "comm/local_launch.h"
+#include "perf/bench_flags.h"
 
 namespace crossbar::moe {
 namespace {
@@ -781,18 +783,6 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm, const std::str
   return failures ? 1 : 0;
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  size_t p = 0;
-  while (p <= s.size()) {
-    size_t q = s.find(',', p);
-    if (q == std::string::npos) q = s.size();
-    if (q > p) out.push_back(s.substr(p, q - p));
-    p = q + 1;
-  }
-  return out;
-}
-
 }  // namespace
 }  // namespace crossbar::moe
 
@@ -801,59 +791,51 @@ int main(int argc, char** argv) {
   using namespace crossbar::moe;
   Options o;
   try {
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i];
-      auto next = [&]() -> std::string {
-        if (i + 1 >= argc) throw InvalidArgument(a + " needs a value");
-        return argv[++i];
-      };
-      if (a == "--nodes")
-        o.nodes = std::stoi(next());
-      else if (a == "--ranks-per-node")
-        o.ranks_per_node = std::stoi(next());
-      else if (a == "--last-node-ranks")
-        o.last_node_ranks = std::stoi(next());
-      else if (a == "--tokens")
-        o.tokens = std::stoul(next());
-      else if (a == "--hidden")
-        o.hidden = std::stoul(next());
-      else if (a == "--experts")
-        o.experts = std::stoi(next());
-      else if (a == "--topk")
-        o.topk = std::stoi(next());
-      else if (a == "--max-nodes")
-        o.max_nodes = std::stoi(next());
-      else if (a == "--iters")
-        o.iters = std::max(1, std::stoi(next()));
-      else if (a == "--warmup")
-        o.warmup = std::max(0, std::stoi(next()));
-      else if (a == "--rounds")
-        o.rounds = std::max(1, std::stoi(next()));
-      else if (a == "--rate")
-        o.rate = next();
-      else if (a == "--queue-ms")
-        o.queue_ms = std::max(1, std::stoi(next()));
-      else if (a == "--combine-wire") {
-        std::string w = next();
-        if (w != "bf16" && w != "f32") throw InvalidArgument("--combine-wire: bf16 or f32");
-        o.combine_wire = w == "f32" ? DataType::kFloat32 : DataType::kBFloat16;
-      } else if (a == "--no-netns")
+    perf::BenchFlags f(argc, argv);
+    while (f.next()) {
+      if (f.is("--nodes"))
+        o.nodes = static_cast<int>(f.integer(1, 64));
+      else if (f.is("--ranks-per-node"))
+        o.ranks_per_node = static_cast<int>(f.integer(1, 256));
+      else if (f.is("--last-node-ranks"))
+        o.last_node_ranks = static_cast<int>(f.integer(1, 256));
+      else if (f.is("--tokens"))
+        o.tokens = static_cast<size_t>(f.integer(0));
+      else if (f.is("--hidden"))
+        o.hidden = static_cast<size_t>(f.integer(1));
+      else if (f.is("--experts"))
+        o.experts = static_cast<int>(f.integer(1, INT_MAX));
+      else if (f.is("--topk"))
+        o.topk = static_cast<int>(f.integer(1, 1024));
+      else if (f.is("--max-nodes"))
+        o.max_nodes = static_cast<int>(f.integer(INT_MIN + 1, INT_MAX));
+      else if (f.is("--iters"))
+        o.iters = static_cast<int>(f.integer(1, INT_MAX));
+      else if (f.is("--warmup"))
+        o.warmup = static_cast<int>(f.integer(0, INT_MAX));
+      else if (f.is("--rounds"))
+        o.rounds = static_cast<int>(f.integer(1, INT_MAX));
+      else if (f.is("--rate"))
+        o.rate = f.text();
+      else if (f.is("--queue-ms"))
+        o.queue_ms = static_cast<int>(f.integer(1, INT_MAX));
+      else if (f.is("--combine-wire"))
+        o.combine_wire = f.choice({"bf16", "f32"}) == "f32" ? DataType::kFloat32 : DataType::kBFloat16;
+      else if (f.is("--no-netns"))
         o.netns = false;
-      else if (a == "--phases")
+      else if (f.is("--phases"))
         o.phases = true;
-      else if (a == "--fresh-output")
+      else if (f.is("--fresh-output"))
         o.fresh_output = true;
-      else if (a == "--fp8-io") {
-        const std::string m = next();
-        if (m != "dequantized" && m != "quantized" && m != "both")
-          throw InvalidArgument("--fp8-io: dequantized, quantized or both");
+      else if (f.is("--fp8-io")) {
+        const std::string m = f.choice({"dequantized", "quantized", "both"});
         o.io_dequantized = m != "quantized";
         o.io_quantized = m != "dequantized";
-      } else if (a == "--no-flat")
+      } else if (f.is("--no-flat"))
         o.no_flat = true;
-      else if (a == "--formats") {
+      else if (f.is("--formats")) {
         o.formats.clear();
-        for (auto& s : split(next())) {
+        for (auto& s : f.list()) {
           if (s == "bf16" || s == "native")
             o.formats.push_back(PayloadFormat::kNative);
           else if (s == "fp8")
@@ -864,15 +846,11 @@ int main(int argc, char** argv) {
             throw InvalidArgument("--formats: " + s + " (bf16, fp8, mxfp8)");
         }
       } else {
-        std::fprintf(stderr,
-                     "usage: %s [--nodes N] [--ranks-per-node L] [--last-node-ranks K] [--tokens T] [--hidden H] "
-                     "[--experts E] "
-                     "[--topk k] [--max-nodes M] [--formats bf16,fp8,mxfp8] [--rate auto|2gbit] [--queue-ms ms] [--iters n] "
-                     "[--rounds n] "
-                     "[--warmup n] [--combine-wire bf16|f32] [--no-netns] [--phases] [--fresh-output] [--no-flat] "
-                     "[--fp8-io dequantized|quantized|both]\n",
-                     argv[0]);
-        return a == "--help" || a == "-h" ? 0 : 2;
+        return f.usage(
+            "[--nodes N] [--ranks-per-node L] [--last-node-ranks K] [--tokens T] [--hidden H] [--experts E] "
+            "[--topk k] [--max-nodes M] [--formats bf16,fp8,mxfp8] [--rate auto|2gbit] [--queue-ms ms] "
+            "[--iters n] [--rounds n] [--warmup n] [--combine-wire bf16|f32] [--no-netns] [--phases] "
+            "[--fresh-output] [--no-flat] [--fp8-io dequantized|quantized|both]");
       }
     }
     if (o.last_node_ranks == 0) o.last_node_ranks = o.ranks_per_node;

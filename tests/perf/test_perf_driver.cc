@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "collectives/reduce.h"
+#include "comm/errors.h"
+#include "perf/bench_flags.h"
 #include "perf/driver.h"
 
 namespace crossbar::perf {
@@ -298,6 +300,83 @@ TEST(PerfOptions, ClearErrors) {
             std::string::npos);
   EXPECT_NE(parseError({"stray"}).find("unexpected argument 'stray'"), std::string::npos);
   EXPECT_NE(parseError({"--help=1"}).find("takes no value"), std::string::npos);
+}
+
+// BenchFlags (the MoE benchmarks' options): typed values, and errors that name the flag.
+struct Argv {
+  std::vector<std::string> words;
+  std::vector<char*> ptrs;
+  explicit Argv(std::vector<std::string> w) : words(std::move(w)) {
+    words.insert(words.begin(), "bench");
+    for (auto& a : words) ptrs.push_back(a.data());
+  }
+  BenchFlags flags() { return BenchFlags(static_cast<int>(ptrs.size()), ptrs.data()); }
+};
+
+std::string benchFlagError(std::vector<std::string> args) {
+  Argv a(std::move(args));
+  BenchFlags f = a.flags();
+  try {
+    while (f.next()) {
+      if (f.is("--n"))
+        f.integer(1, 8);
+      else if (f.is("--z"))
+        f.real();
+      else if (f.is("--mode"))
+        f.choice({"a", "b"});
+      else if (f.is("--list"))
+        f.integers(1);
+    }
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(BenchFlags, ValuesAndSwitches) {
+  Argv a({"--n", "3", "--on", "--z", "0.5", "--mode", "b", "--list", "128,,512", "--name", "x,y"});
+  BenchFlags f = a.flags();
+  long long n = 0;
+  double z = 0;
+  bool on = false;
+  std::string mode, name;
+  std::vector<size_t> list;
+  while (f.next()) {
+    if (f.is("--n"))
+      n = f.integer(1, 8);
+    else if (f.is("--on"))
+      on = true;
+    else if (f.is("--z"))
+      z = f.real();
+    else if (f.is("--mode"))
+      mode = f.choice({"a", "b"});
+    else if (f.is("--list"))
+      list = f.integers(1);
+    else if (f.is("--name"))
+      name = f.text();
+    else
+      FAIL() << "unexpected " << f.flag();
+  }
+  EXPECT_EQ(n, 3);
+  EXPECT_TRUE(on);
+  EXPECT_EQ(z, 0.5);
+  EXPECT_EQ(mode, "b");
+  EXPECT_EQ(list, (std::vector<size_t>{128, 512}));
+  EXPECT_EQ(name, "x,y");
+}
+
+TEST(BenchFlags, ClearErrors) {
+  EXPECT_NE(benchFlagError({"--n", "x"}).find("invalid value 'x' for --n: expected an integer"),
+            std::string::npos);
+  EXPECT_NE(benchFlagError({"--n", "9"}).find("expected from 1 to 8"), std::string::npos);
+  EXPECT_NE(benchFlagError({"--n", "3k"}).find("expected an integer"), std::string::npos);
+  EXPECT_NE(benchFlagError({"--n"}).find("--n needs a value"), std::string::npos);
+  EXPECT_NE(benchFlagError({"--z", "fast"}).find("for --z: expected a number"), std::string::npos);
+  EXPECT_NE(benchFlagError({"--mode", "c"}).find("expected one of a, b"), std::string::npos);
+  EXPECT_NE(benchFlagError({"--list", "4,0"}).find("invalid value '0' for --list: expected at least 1"),
+            std::string::npos);
+  EXPECT_NE(benchFlagError({"--list", ","}).find("expected a comma-separated list"), std::string::npos);
+  EXPECT_EQ(benchFlagError({"--n", "8", "--z", "-1e3"}), "");
 }
 
 std::vector<std::string> lines(const std::string& h) {
