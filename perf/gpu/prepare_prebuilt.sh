@@ -81,13 +81,18 @@ for t in $TARGETS; do
 done
 # The GPU machine's own: CUDA, NCCL, cuBLAS, the C/C++ runtime.
 SYSTEM='^(linux-vdso|ld-linux-[a-z0-9_-]*|libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcuda|libcudart|libnccl|libcublas|libcublasLt|libnvidia-[a-z0-9_-]*)\.so'
-for f in "$OUT"/bin/*; do
-  ldd "$f" | awk '/=> \//{print $1, $3}' | while read -r name path; do
+# ldd the build tree's binaries: the copies' RPATH ($ORIGIN/../lib) points at $OUT/lib, which
+# is still empty here, so their crossbar libraries would read "not found" and be skipped.
+for t in $TARGETS; do
+  ldd "$BUILD/bin/$t" | awk '/=> \//{print $1, $3}' | while read -r name path; do
     grep -qE "$SYSTEM" <<<"$name" && continue
     [ -e "$OUT/lib/$name" ] || cp -L "$path" "$OUT/lib/$name"
   done
 done
 ls "$OUT/lib"/libcrossbar_comm.so* >/dev/null 2>&1 || { echo "$0: libcrossbar_comm was not collected" >&2; exit 1; }
+# The copies must load from $OUT alone (plus this machine's CUDA and C runtime).
+missing=$(for f in "$OUT"/bin/*; do ldd "$f" | awk -v b="$(basename "$f")" '/not found/{print b ": " $1}'; done)
+[ -z "$missing" ] || { echo "$0: libraries the copies cannot find:" >&2; echo "$missing" >&2; exit 1; }
 # Debug info is most of the size; symbols stay for backtraces.
 strip --strip-debug "$OUT"/bin/* "$OUT"/lib/*
 cp "$(find "$BUILD" -name crossbar_build_info.h -path '*generated*' | head -1)" "$OUT/include/"
