@@ -23,80 +23,12 @@ using testing::RankEnv;
 using testing::RunOptions;
 using testing::runRanks;
 
-enum class Route { kRandom, kNodeLimited, kOneExpert, kEveryNode };
-
-struct Case {
-  Route route = Route::kRandom;
-  size_t hidden = 40;
-  int topk = 4;
-  int experts_per_rank = 4;
-  bool zero_tokens = false;
-  bool fractional = false;  // non-integer values (quantized formats)
-};
-
-struct Input {
-  size_t tokens = 0;
-  std::vector<float> xf;  // as float (exactly representable in bf16)
-  std::vector<int64_t> idx;
-  std::vector<float> w;
-};
-
-size_t tokensOf(const Case& c, int s) {
-  return c.zero_tokens ? 0 : (s == 1 ? 0 : 5 + 3 * s);
-}
-
-Input makeInput(const Case& c, int s, int R, int L) {
-  Input in;
-  in.tokens = tokensOf(c, s);
-  const int E = c.experts_per_rank * R, N = R / L, k = c.topk;
-  in.xf.resize(in.tokens * c.hidden);
-  for (size_t t = 0; t < in.tokens; ++t)
-    for (size_t h = 0; h < c.hidden; ++h) {
-      float v = static_cast<float>(static_cast<int>((s * 131 + t * 17 + h * 7) % 15) - 7);
-      if (c.fractional) v = v * 0.37f + 0.01f * static_cast<float>(h % 9) * (t % 2 ? 1.0f : 100.0f);
-      in.xf[t * c.hidden + h] = BFloat16::fromFloat(v).toFloat();
-    }
-  if (c.route == Route::kRandom || c.route == Route::kNodeLimited) {
-    RoutingOptions ro;
-    ro.num_experts = E;
-    ro.topk = k;
-    ro.num_groups = N;
-    ro.max_groups_per_token = c.route == Route::kNodeLimited ? std::max(1, N / 2) : -1;
-    ro.zipf_s = c.route == Route::kNodeLimited ? 1.2 : 0.0;
-    ro.seed = 42;
-    auto r = generateRouting(in.tokens, s, ro);
-    in.idx = r.topk_idx;
-    in.w = r.topk_weights;
-    for (size_t t = 0; t < in.tokens; t += 3) in.idx[t * k + k - 1] = -1;  // "no expert" entries
-  } else {
-    in.idx.assign(in.tokens * k, -1);
-    in.w.assign(in.tokens * k, 0.0f);
-    for (size_t t = 0; t < in.tokens; ++t)
-      for (int j = 0; j < k; ++j) {
-        if (c.route == Route::kOneExpert) {
-          if (j == 0) in.idx[t * k] = 0;
-        } else {  // one expert on every node (k >= N), spread over local ranks
-          int node = j % N, rank = node * L + static_cast<int>((t + j) % L);
-          in.idx[t * k + j] = static_cast<int64_t>(rank) * c.experts_per_rank + (t % c.experts_per_rank);
-        }
-        in.w[t * k + j] = 0.25f + 0.125f * j;
-      }
-  }
-  return in;
-}
-
-std::vector<uint8_t> toType(const std::vector<float>& xf, DataType t) {
-  std::vector<uint8_t> out(xf.size() * elementSize(t));
-  for (size_t i = 0; i < xf.size(); ++i) {
-    if (t == DataType::kFloat32) {
-      std::memcpy(out.data() + 4 * i, &xf[i], 4);
-    } else {
-      auto b = BFloat16::fromFloat(xf[i]);
-      std::memcpy(out.data() + 2 * i, &b, 2);
-    }
-  }
-  return out;
-}
+using testinput::Input;
+using testinput::makeInput;
+using testinput::Route;
+using testinput::toType;
+using testinput::tokensOf;
+using Case = testinput::InputSpec;
 
 float elemAt(const std::vector<uint8_t>& x, DataType t, size_t i) {
   if (t == DataType::kFloat32) {
