@@ -17,6 +17,8 @@
 #   --build-dir DIR  CMake build tree (default build-gpu-build; configured with CUDA ON if new)
 #   --out DIR        default build-gpu-prebuilt
 #   --no-build       only collect what DIR already holds
+#   --targets "A B"  only these targets, from any build tree (CUDA or not): the collection
+#                    itself, as test perf.prepare_prebuilt_collects checks on a CPU build
 #   --clean-tree DIR export the committed HEAD (git archive) into DIR (inside the checkout, and
 #                    ignored, e.g. gpu-tree listed in .git/info/exclude), build it there, and put
 #                    the prebuilt in DIR/build-gpu-prebuilt: uncommitted edits in the checkout stay
@@ -25,7 +27,7 @@
 #                          carry=["gpu-tree"])
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-BUILD=$ROOT/build-gpu-build OUT=$ROOT/build-gpu-prebuilt MAX_MIB=60 DO_BUILD=1 CLEAN_TREE=""
+BUILD=$ROOT/build-gpu-build OUT=$ROOT/build-gpu-prebuilt MAX_MIB=60 DO_BUILD=1 CLEAN_TREE="" ONLY_TARGETS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --clean-tree) CLEAN_TREE=$2; shift ;;
@@ -33,7 +35,8 @@ while [ $# -gt 0 ]; do
     --out) OUT=$2; shift ;;
     --max-mib) MAX_MIB=$2; shift ;;
     --no-build) DO_BUILD=0 ;;
-    *) echo "usage: $0 [--build-dir DIR] [--out DIR] [--max-mib N] [--no-build]" >&2; exit 2 ;;
+    --targets) ONLY_TARGETS=$2; shift ;;
+    *) echo "usage: $0 [--build-dir DIR] [--out DIR] [--max-mib N] [--no-build] [--targets \"A B\"]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -53,24 +56,27 @@ fi
 case "$BUILD" in /*) ;; *) BUILD=$ROOT/$BUILD ;; esac
 case "$OUT" in /*) ;; *) OUT=$ROOT/$OUT ;; esac
 
-if [ ! -f "$BUILD/build.ninja" ]; then
+if [ ! -f "$BUILD/CMakeCache.txt" ]; then
   [ $DO_BUILD = 1 ] || { echo "$0: $BUILD is not a configured build tree" >&2; exit 2; }
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCROSSBAR_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo
 fi
-grep -q '^CROSSBAR_WITH_CUDA:STRING=\(ON\|AUTO\)' "$BUILD/CMakeCache.txt" ||
-  { echo "$0: $BUILD is configured without CUDA (CROSSBAR_WITH_CUDA=OFF)" >&2; exit 2; }
-
-# What to build: every test_*_gpu target, the perf binaries, the GPU tools.
-ALL_TARGETS=$(ninja -C "$BUILD" -t targets all | sed -n 's/^\([A-Za-z0-9_]*\): phony$/\1/p')
-GTESTS=$(grep -E '^test_[a-z0-9_]+_gpu$' <<<"$ALL_TARGETS" || true)
-TOOLS=$(grep -E '^(gpu_selftest|ce_bandwidth|matmul_overlap|[a-z_]+_perf)$' <<<"$ALL_TARGETS" | grep -v '^cmake_' || true)
+if [ -n "$ONLY_TARGETS" ]; then
+  GTESTS="" TOOLS=$ONLY_TARGETS
+else
+  grep -q '^CROSSBAR_WITH_CUDA:STRING=\(ON\|AUTO\)' "$BUILD/CMakeCache.txt" ||
+    { echo "$0: $BUILD is configured without CUDA (CROSSBAR_WITH_CUDA=OFF)" >&2; exit 2; }
+  # What to build: every test_*_gpu target, the perf binaries, the GPU tools.
+  ALL_TARGETS=$(ninja -C "$BUILD" -t targets all | sed -n 's/^\([A-Za-z0-9_]*\): phony$/\1/p')
+  GTESTS=$(grep -E '^test_[a-z0-9_]+_gpu$' <<<"$ALL_TARGETS" || true)
+  TOOLS=$(grep -E '^(gpu_selftest|ce_bandwidth|matmul_overlap|[a-z_]+_perf)$' <<<"$ALL_TARGETS" | grep -v '^cmake_' || true)
+  [ -n "$GTESTS" ] || { echo "$0: no test_*_gpu targets in $BUILD (CUDA not found at configure?)" >&2; exit 1; }
+fi
 TARGETS=$(echo $GTESTS $TOOLS)
-[ -n "$GTESTS" ] || { echo "$0: no test_*_gpu targets in $BUILD (CUDA not found at configure?)" >&2; exit 1; }
 if [ $DO_BUILD = 1 ]; then
   echo "building: $TARGETS"
   # shellcheck disable=SC2086
-  ninja -C "$BUILD" $TARGETS
+  cmake --build "$BUILD" --target $TARGETS
 fi
 
 rm -rf "$OUT"
