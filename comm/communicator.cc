@@ -324,6 +324,20 @@ std::vector<int> Communicator::nodePeers(int rank) const {
     if (nodeOf(r) == node) out.push_back(r);
   return out;
 }
+std::vector<std::vector<int>> Communicator::nodes() const {
+  std::vector<std::vector<int>> out;
+  std::vector<int> node_ids;  // node id of out[i]
+  for (int r = 0; r < size(); ++r) {
+    const int id = nodeOf(r);
+    const size_t i = std::find(node_ids.begin(), node_ids.end(), id) - node_ids.begin();
+    if (i == node_ids.size()) {
+      node_ids.push_back(id);
+      out.emplace_back();
+    }
+    out[i].push_back(r);
+  }
+  return out;
+}
 const std::string& Communicator::host(int rank) const { return topology().host(members_.at(rank)); }
 ProgressEngine& Communicator::engine() const { return context_->engine(); }
 Store& Communicator::store() const { return *store_; }

@@ -52,6 +52,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int numNodes() const { return num_nodes_; }  // computed once at construction
   // Ranks of this communicator on the same node as `rank`, in rank order.
   std::vector<int> nodePeers(int rank) const;
+  // The ranks of every node: nodes in order of their first rank, ranks in rank order
+  // (nodes may differ in size: an uneven launch, a shrunk fault-tolerant communicator).
+  std::vector<std::vector<int>> nodes() const;
   int nodeOf(int rank) const;
   const std::string& host(int rank) const;
   uint64_t epoch() const { return epoch_; }

@@ -20,7 +20,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -142,16 +141,15 @@ int runRank(const Options& o, std::shared_ptr<Communicator> comm) {
   };
   std::string nodes;  // "2 nodes x 4", or the sizes of nodes that differ ("2 nodes of 4, 3")
   {
-    std::map<int, int> per_node;
-    for (int r = 0; r < R; ++r) ++per_node[comm->nodeOf(r)];
+    const auto all = comm->nodes();
     std::string sizes;
     bool even = true;
-    for (const auto& [node, n] : per_node) {
-      sizes += fmt::format("{}{}", sizes.empty() ? "" : ", ", n);
-      even = even && n == per_node.begin()->second;
+    for (const auto& n : all) {
+      sizes += fmt::format("{}{}", sizes.empty() ? "" : ", ", n.size());
+      even = even && n.size() == all.front().size();
     }
-    nodes = even ? fmt::format("{} nodes x {}", per_node.size(), per_node.begin()->second)
-                 : fmt::format("{} nodes of {}", per_node.size(), sizes);
+    nodes = even ? fmt::format("{} nodes x {}", all.size(), all.front().size())
+                 : fmt::format("{} nodes of {}", all.size(), sizes);
   }
   print(fmt::format("# moe_dispatch_perf: {} ranks, {}, {} experts, top-{}, max nodes/token {}, zipf {}\n", R,
                     nodes, E, o.topk, o.max_nodes, o.zipf));

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <map>
 
 #include "comm/errors.h"
 #include "comm/log.h"
@@ -34,15 +33,7 @@ MoeTopology makeTopology(const Communicator& comm, const MoeConfig& cfg, const c
     throw InvalidArgument(ctx + "combine_wire must be float32 or bfloat16");
   t.epr = cfg.num_experts / t.R;
 
-  // Ranks of each physical node, nodes in order of their first rank.
-  std::map<int, int> index_of_node;
-  std::vector<std::vector<int>> hosts;
-  for (int r = 0; r < t.R; ++r) {
-    auto [it, added] = index_of_node.try_emplace(comm.nodeOf(r), static_cast<int>(hosts.size()));
-    if (added) hosts.emplace_back();
-    hosts[it->second].push_back(r);
-  }
-  t.node_ranks = std::move(hosts);
+  t.node_ranks = comm.nodes();  // physical nodes, in order of their first rank
   t.N = static_cast<int>(t.node_ranks.size());
   t.node_of.resize(t.R);
   t.local_of.resize(t.R);

@@ -60,6 +60,12 @@ TEST_P(CommSizes, CreateAndExchange) {
       EXPECT_EQ(c->numNodes(), (env.size + rpn - 1) / rpn);
       EXPECT_EQ(c->node(), env.rank / rpn);
       EXPECT_EQ(c->localRank(), env.rank % rpn);
+      const auto nodes = c->nodes();
+      ASSERT_EQ(static_cast<int>(nodes.size()), c->numNodes());
+      for (size_t m = 0; m < nodes.size(); ++m)
+        for (size_t l = 0; l < nodes[m].size(); ++l)
+          EXPECT_EQ(nodes[m][l], static_cast<int>(m) * rpn + static_cast<int>(l));
+      EXPECT_EQ(nodes[c->node()], c->nodePeers(env.rank));
       for (int p = 0; p < env.size; ++p) {
         if (p == env.rank) continue;
         std::string expected = (p / rpn == env.rank / rpn) ? "shm" : "ucx";
@@ -73,8 +79,10 @@ TEST_P(CommSizes, CreateAndExchange) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, CommSizes,
-                         ::testing::Values(std::make_tuple(2, 0), std::make_tuple(4, 0), std::make_tuple(8, 0),
-                                           std::make_tuple(2, 1), std::make_tuple(4, 2), std::make_tuple(8, 4)),
+                         ::testing::Values(std::make_tuple(2, 0), std::make_tuple(4, 0),
+                                           std::make_tuple(8, 0), std::make_tuple(2, 1),
+                                           std::make_tuple(4, 2), std::make_tuple(8, 4),
+                                           std::make_tuple(5, 2)),  // nodes of 2, 2 and 1
                          [](const auto& info) {
                            return "n" + std::to_string(std::get<0>(info.param)) + "_rpn" +
                                   std::to_string(std::get<1>(info.param));

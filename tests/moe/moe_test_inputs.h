@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstring>
-#include <map>
 #include <numeric>
 #include <vector>
 
@@ -44,10 +43,8 @@ struct InputSpec {
 // gcd of the node sizes, the same on every rank when nodes differ in size (each group lies in
 // one node, so a route over every group reaches every node).
 inline int routingGroupSize(const Communicator& comm) {
-  std::map<int, int> per_node;
-  for (int r = 0; r < comm.size(); ++r) ++per_node[comm.nodeOf(r)];
   int g = 0;
-  for (const auto& [node, n] : per_node) g = std::gcd(g, n);
+  for (const auto& node : comm.nodes()) g = std::gcd(g, static_cast<int>(node.size()));
   return g;
 }
 
