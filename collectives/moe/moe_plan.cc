@@ -51,18 +51,14 @@ MoeTopology makeTopology(const Communicator& comm, const MoeConfig& cfg, const c
                                  [&](const auto& n) { return static_cast<int>(n.size()) != t.L; });
   // Who forwards for whom, from every rank's point of view (max_sources must agree everywhere).
   std::vector<int> sources(t.R, 1);  // [rank]: sources it forwards for, itself included
-  t.forwarder.assign(t.N, std::vector<int>(t.R));
   for (int m = 0; m < t.N; ++m) {
     const auto& there = t.node_ranks[m];
-    size_t extra = 0;  // sources of m so far whose local index m lacks
+    size_t extra = 0;  // sources of m so far whose local index m lacks: dealt round-robin
     for (int s = 0; s < t.R; ++s) {
-      if (m == t.node_of[s]) {
-        t.forwarder[m][s] = s;
-        continue;
-      }
-      const size_t l = static_cast<size_t>(t.local_of[s]);
-      t.forwarder[m][s] = there[l < there.size() ? l : extra++ % there.size()];
-      ++sources[t.forwarder[m][s]];
+      if (m == t.node_of[s]) continue;
+      if (static_cast<size_t>(t.local_of[s]) >= there.size())
+        t.extra_forwarder[static_cast<int64_t>(m) * t.R + s] = there[extra++ % there.size()];
+      ++sources[t.forwarderOn(m, s)];
     }
   }
   t.max_sources = *std::max_element(sources.begin(), sources.end());

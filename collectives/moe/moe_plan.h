@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "collectives/moe/moe.h"
@@ -33,15 +34,21 @@ struct MoeTopology {
   std::vector<int> fwd_sources;
   // [local j]: the ranks (any node) whose rows local rank j forwards to this node's ranks.
   std::vector<std::vector<int>> sources_via;
-  std::vector<std::vector<int>> forwarder;  // [node m][source rank] -> forwarderOn(m, s); s on m: s
+  // forwarderOn for the sources whose local index the node lacks (uneven nodes only):
+  // key m * R + s. Everything else follows the local index, so even nodes keep no table.
+  std::unordered_map<int64_t, int> extra_forwarder;
   int rankOfExpert(int64_t e) const { return static_cast<int>(e / epr); }
   // The rank of this rank's node with local index j.
   int localRank(int j) const { return node_ranks[me_node][j]; }
   // The rank of node m that forwards `src`'s tokens for m.
-  int forwarderOn(int m, int src) const { return forwarder[m][src]; }
-  // Local index (on this rank's node) of the rank that forwards `src`'s rows here (src's own
-  // local index when src is on this node: it writes its rows itself).
-  int forwarderLocal(int src) const { return local_of[forwarder[me_node][src]]; }
+  // (src itself when it is on m: it writes its rows itself.)
+  int forwarderOn(int m, int src) const {
+    const auto& there = node_ranks[m];
+    const size_t l = static_cast<size_t>(local_of[src]);
+    return l < there.size() ? there[l] : extra_forwarder.at(static_cast<int64_t>(m) * R + src);
+  }
+  // Local index (on this rank's node) of the rank that forwards `src`'s rows here.
+  int forwarderLocal(int src) const { return local_of[forwarderOn(me_node, src)]; }
 };
 
 // Validates cfg for `comm` (InvalidArgument / Unsupported naming rank and operation) and
