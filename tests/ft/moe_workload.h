@@ -148,9 +148,9 @@ class MoeWorkload : public Workload {
 
  private:
   std::shared_ptr<Communicator> comm_;
-  // Divisible by every communicator size a trial has (1-8 ranks): the experts are spread
+  // Divisible by every communicator size a trial has (1-9 ranks): the experts are spread
   // again over the survivors.
-  static constexpr int kExperts = 840;
+  static constexpr int kExperts = 2520;
   std::vector<std::unique_ptr<MoeBuffer>> buffers_;
 };
 

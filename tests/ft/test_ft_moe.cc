@@ -32,6 +32,12 @@ TEST(FtMoeKill, RandomRankDuringDispatch8) {
   killTrial(moeTrial(8, 212, 4));
 }
 
+// 3x3 virtual nodes: the survivors are on nodes of 3, 3 and 2, and the short node deals the
+// sources of the local index it lacks out to different forwarders (moe_plan.h).
+TEST(FtMoeKill, RandomRankDuringDispatch9On3Nodes) {
+  killTrial(moeTrial(9, 221, 3));
+}
+
 // 2x2 virtual nodes lose a rank in a MoE loop: the survivors ({0,1} | {2}) rebuild their
 // buffers, still two-level over the 2 nodes (rank 2 forwards for ranks 0 and 1); a
 // replacement joins (grow), the nodes are even again. Twice.
