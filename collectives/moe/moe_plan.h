@@ -40,8 +40,7 @@ struct MoeTopology {
   int rankOfExpert(int64_t e) const { return static_cast<int>(e / epr); }
   // The rank of this rank's node with local index j.
   int localRank(int j) const { return node_ranks[me_node][j]; }
-  // The rank of node m that forwards `src`'s tokens for m.
-  // (src itself when it is on m: it writes its rows itself.)
+  // The rank of node m that forwards `src`'s tokens for m (src itself when it is on m).
   int forwarderOn(int m, int src) const {
     const auto& there = node_ranks[m];
     const size_t l = static_cast<size_t>(local_of[src]);
