@@ -16,6 +16,7 @@
 #include "comm/errors.h"
 #include "comm/fence.h"
 #include "comm/log.h"
+#include "comm/topology.h"
 #include "telemetry/telemetry.h"
 
 namespace crossbar {
@@ -140,8 +141,7 @@ EagerChannel::EagerChannel(std::shared_ptr<Communicator> comm, std::shared_ptr<C
   static_assert(sizeof(Header) == kHeaderBytes, "the payload starts 8-byte aligned inside the header's line");
   slot_bytes_ = roundUp(kHeaderBytes + cap_, kLine);  // every header starts a line
   known_done_.assign(size_, 0);
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (cores == 0 || static_cast<unsigned>(comm_->localSize()) <= cores)
+  if (everyRankHasACore(comm_->localSize()))
     spin_ = std::chrono::microseconds(std::max<int64_t>(env::getInt("CROSSBAR_SPIN_US"), 0));
   srcs_.resize(size_);
   bases_.assign(size_, nullptr);

@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <thread>
 
 #include "collectives/algorithms.h"
 #include "collectives/cma.h"
@@ -23,6 +22,7 @@
 #include "comm/env.h"
 #include "comm/errors.h"
 #include "comm/log.h"
+#include "comm/topology.h"
 #include "symmem/copy_engine.h"
 #include "telemetry/telemetry.h"
 
@@ -61,8 +61,7 @@ SymmStaging::SymmStaging(std::shared_ptr<Communicator> comm, size_t bytes, size_
   buf_ = heap_.allocate(2 * half_ + meta_bytes);
   owed_.resize(size_);
   seen_.assign(static_cast<size_t>(kChannels) * size_, 0);
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (cores == 0 || static_cast<unsigned>(comm_->localSize()) <= cores)
+  if (everyRankHasACore(comm_->localSize()))
     spin_ = std::chrono::microseconds(std::max<int64_t>(env::getInt("CROSSBAR_SPIN_US"), 0));
   CB_INFO("coll", "{}: symmetric staging of 2 x {} bytes per rank, chunks of up to {} bytes", comm_->name(),
           half_, chunk_);

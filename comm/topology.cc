@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "comm/env.h"
 #include "comm/errors.h"
@@ -382,6 +383,11 @@ std::string Topology::describe() const {
 }
 
 // --- binding -------------------------------------------------------------------------------
+
+bool everyRankHasACore(int local_ranks) {
+  static const unsigned cores = std::thread::hardware_concurrency();  // 0: unknown
+  return cores == 0 || static_cast<unsigned>(local_ranks) <= cores;
+}
 
 void bindThisProcess(int local_rank, int local_size) {
   std::string mode = env::getEnum("CROSSBAR_BIND");
