@@ -3,7 +3,7 @@
 # (8 B-4 KiB) and bus bandwidth (64 KiB-256 MiB) of allreduce, allgather, reduce_scatter and
 # alltoall at 2 and 4 ranks against OpenMPI, private user buffers, then the summary tables
 # (perf/compare_summary). Run it on a quiet machine; it takes about 15 minutes on 2 cores.
-# For alltoall it also prints each library's share of the single-copy busbw ceiling.
+# It also prints each library's share of the busbw ceiling (copy_ceiling in perf/compare).
 #   perf/host_check.sh [build-dir (default build)] [out-dir (default out/host-check)]
 # Environment: ROUNDS (bandwidth rounds per size, default 2), LAT_ROUNDS (default 5).
 set -euo pipefail
@@ -34,7 +34,8 @@ echo
 echo "## busbw as a fraction of the run's memcpy bandwidth"
 perf/compare_summary --metric fraction "$OUT"/bw-*.json
 echo
-echo "## alltoall busbw / the run's single-copy ceiling (perf/compare): crossbar, then MPI"
-echo "## (where MPI is above 0.67, 1.5x MPI is beyond what any copy of private buffers reaches)"
-perf/compare_summary --metric ceiling "$OUT"/bw-alltoall-*.json
-perf/compare_summary --metric ceiling --peer mpi-ceiling --target 0.667 "$OUT"/bw-alltoall-*.json
+echo "## busbw / the run's ceiling for private buffers out of cache (copy_ceiling in perf/compare): crossbar"
+perf/compare_summary --metric ceiling "$OUT"/bw-*.json
+echo
+echo "## the same for MPI: where it is above 0.67, 1.5x MPI is beyond the ceiling"
+perf/compare_summary --metric ceiling --peer mpi-ceiling --target 0.667 "$OUT"/bw-*.json
