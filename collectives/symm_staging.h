@@ -163,7 +163,7 @@ class SymmStaging {
   symm::SymmetricHeap heap_;
   std::shared_ptr<symm::SymmetricBuffer> buf_;
   int rank_ = 0, size_ = 0;
-  size_t half_ = 0, chunk_ = 0, stream_bytes_ = size_t{8} << 20;
+  size_t half_ = 0, chunk_ = 0, stream_bytes_ = size_t{2} << 20;
   uint64_t base_ = 0;
   Clock::duration spin_{};                 // pure spin before yielding: CROSSBAR_SPIN_US when ranks <= cores
   std::vector<std::deque<uint8_t>> owed_;  // by reader: halves it still has to release, oldest first
