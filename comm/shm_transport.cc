@@ -26,6 +26,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -57,6 +58,7 @@ constexpr uint32_t kVersion = 1;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kPage = 4096;
 constexpr size_t kMinRing = 64 * 1024;
+constexpr uint64_t kPopulateWindow = 256 * 1024;  // bytes mapped per madvise() (Ring::populate)
 
 enum FrameType : uint32_t { kEager = 1, kRts = 2, kCts = 3, kData = 4, kFin = 5, kNack = 6 };
 
@@ -114,14 +116,17 @@ struct Ring {
   uint64_t mask = 0;
   uint64_t pos = 0;     // producer: head not yet published; consumer: tail not yet published
   uint64_t cached = 0;  // producer: last tail seen; consumer: last head seen
+  uint64_t mapped = 0;  // bytes of data (from the start) this side has faulted in (populate())
 
   void write(const void* src, size_t n) {
+    if (mapped < size && pos + n > mapped) populate(pos + n, MADV_POPULATE_WRITE);
     size_t off = pos & mask, first = std::min<size_t>(n, size - off);
     std::memcpy(data + off, src, first);
     if (n > first) std::memcpy(data, static_cast<const uint8_t*>(src) + first, n - first);
     pos += n;
   }
   void read(void* dst, size_t n) {
+    if (mapped < size && pos + n > mapped) populate(pos + n, MADV_POPULATE_READ);
     size_t off = pos & mask, first = std::min<size_t>(n, size - off);
     if (dst) {
       std::memcpy(dst, data + off, first);
@@ -129,6 +134,25 @@ struct Ring {
     }
     pos += n;
   }
+  // The ring's pages are mapped lazily (an idle pair costs no memory), but faulting them
+  // in one page at a time made the first pass through a ring 5-7x slower for 4-64 KiB
+  // messages (32 KiB ping-pong 41 vs 6 us). So each side maps the first pass ahead of
+  // its position in windows of kPopulateWindow, one madvise() each; the region is past
+  // what the producer published, so the other side does not touch it meanwhile. On a
+  // kernel without MADV_POPULATE_* (before 5.14) pages fault in one by one, as before.
+  void populate(uint64_t upto, int advice) {
+    static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uint64_t end = std::min<uint64_t>(size, std::max(upto, mapped + kPopulateWindow));
+    const uintptr_t from =
+        reinterpret_cast<uintptr_t>(data + mapped) & ~(page - 1);  // madvise: aligned start
+    if (::madvise(reinterpret_cast<void*>(from), reinterpret_cast<uintptr_t>(data + end) - from, advice) !=
+        0) {
+      mapped = size;  // unsupported (or out of memory: the fault then reports it)
+      return;
+    }
+    mapped = end;
+  }
+
   // Producer: free bytes, refreshing the consumer's tail only when needed.
   size_t space(size_t want) {
     size_t free = size - (pos - cached);
@@ -981,7 +1005,8 @@ void ShmTransport::checkLiveness(bool force) {
     if (p.failed || !p.conn.valid()) continue;
     if (!p.conn.peerClosed()) continue;
     if (p.hdr && p.hdr->aborted.load(std::memory_order_acquire))
-      failPeer(p, "it aborted its communicator (abort(), or a failure it detected) and left; it may be alive");
+      failPeer(p,
+               "it aborted its communicator (abort(), or a failure it detected) and left; it may be alive");
     else
       failPeer(p, "its socket closed: the process exited, crashed or was killed");
   }
