@@ -135,6 +135,7 @@ class WorkImpl final : public Work {
  public:
   explicit WorkImpl(std::shared_ptr<Queue> q) : q_(std::move(q)) {}
   bool test() override;
+  bool hasFinished() override { return finished.load(std::memory_order_acquire); }
   void wait(Deadline deadline) override;
   std::exception_ptr error() const override;
   // Described on first use (formatting costs more than a small call); a group's is set
@@ -264,6 +265,7 @@ struct Queue {
   bool executing = false;
   bool stop = false;
   bool worker_idle = false;      // the worker sleeps without a timeout (queue was empty)
+  bool deferred_start = false;   // Collectives::setDeferredStart: push() leaves the worker asleep
   int helpers = 0;               // threads blocked in wait() that will run the head
   Clock::time_point last_end{};  // when the last queued operation finished
   std::exception_ptr sticky;
@@ -298,7 +300,7 @@ struct Queue {
     pending.fetch_add(1, std::memory_order_relaxed);
     if (stamp) {
       w->enqueued = Clock::now();
-      wakeWorker();
+      if (!deferred_start) wakeWorker();
     }
   }
 
@@ -977,6 +979,11 @@ WorkPtr Collectives::recv(void* data, size_t count, DataType type, int peer, uin
   a.peer = peer;
   a.tag = tag;
   return impl_->submit(std::move(a), o);
+}
+
+void Collectives::setDeferredStart(bool on) {
+  std::lock_guard<std::mutex> lk(impl_->q->m);
+  impl_->q->deferred_start = on;
 }
 
 void Collectives::groupStart() {

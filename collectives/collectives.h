@@ -34,6 +34,9 @@ class Work {
  public:
   virtual ~Work() = default;
   virtual bool test() = 0;                   // true when finished (rethrows its error)
+  // True when finished (either way), and nothing more: unlike test(), it never runs or
+  // publishes the operation nor wakes a thread for it (a look that costs no wake-up).
+  virtual bool hasFinished() = 0;
   virtual void wait(Deadline deadline) = 0;  // Timeout names the op; rethrows its error
   void wait() { waitDefault(); }            // with the Work's default deadline
   virtual std::exception_ptr error() const = 0;
@@ -86,6 +89,14 @@ class Collectives {
   // returns the Work of the group.
   void groupStart();
   WorkPtr groupEnd();
+
+  // Deferred start: a call that does not finish inside its issue is left for the issuing
+  // thread's wait() or test() instead of waking the worker thread at once (which, with as
+  // many busy threads as cores, preempts one: a 64 KiB allreduce issued and waited for
+  // through torch took 2x as long). Whoever sets it guarantees that every call is waited
+  // for or tested within a bound, e.g. by a completion thread of its own (the torch backend:
+  // within 1 ms); a wait() with a short deadline or a test() wakes the worker as before.
+  void setDeferredStart(bool on);
 
  private:
   struct Impl;

@@ -74,6 +74,30 @@ class TorchStoreAdapter : public crossbar::Store {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
+// Wakes the collectives' completion thread (CrossbarBackend::completionLoop). Shared with
+// the works it watches, since a work (and its getFuture()) may outlive its backend.
+struct CompletionBell {
+  std::mutex m;
+  std::condition_variable cv;
+  bool rung = false;
+  bool asleep = false;  // the thread waits without a timeout: only a ring wakes it
+  void ring() {
+    {
+      std::lock_guard<std::mutex> lk(m);
+      rung = true;
+    }
+    cv.notify_one();
+  }
+  void ringIfAsleep() {
+    {
+      std::lock_guard<std::mutex> lk(m);
+      if (!asleep) return;
+      rung = true;
+    }
+    cv.notify_one();
+  }
+};
+
 // A torch Work over a crossbar Work (collectives) or Requests (point to point). Completes
 // asynchronously: the backend's completion threads (or a wait()) finish it, which runs
 // the post-processing (copies back into non-contiguous or listed outputs) and marks the
@@ -94,7 +118,9 @@ class CrossbarWork : public c10d::Work {
   void synchronize() override;
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void abort() override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // A host collective's future is completed by the completion thread, which this wakes
+  // (it leaves a work alone for a while otherwise: see CrossbarBackend::completionLoop).
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::chrono::milliseconds getTimeout() const { return timeout_; }
 
   // --- for the backend ---
@@ -115,6 +141,14 @@ class CrossbarWork : public c10d::Work {
   std::vector<c10::intrusive_ptr<CrossbarWork>> children;  // a coalesced group's parts
   int source_rank_ = -1;
   Deadline deadline = Deadline::never();  // point to point: when the completion thread gives up
+  // Host collectives queued for the completion thread: when, and its bell for getFuture().
+  Clock::time_point queued_at{};
+  std::shared_ptr<CompletionBell> bell;
+  std::atomic<bool> future_wanted{false};
+  bool completedFlag() const {
+    std::lock_guard<std::mutex> lk(mutex_);
+    return completed_;
+  }
 
   // CUDA works: the operation is enqueued on the caller's current stream of `cuda_device`
   // and `cuda_end` (a cudaEvent_t) recorded there after it; the future completes at once
@@ -283,6 +317,7 @@ class CrossbarBackend : public c10d::Backend {
   void completionLoop();
   void p2pLoop();
   void stopThreads();
+  bool finishedAtIssue(CrossbarWork& work);
 
   c10::intrusive_ptr<Options> options_;
   std::shared_ptr<Communicator> comm_;
@@ -291,8 +326,11 @@ class CrossbarBackend : public c10d::Backend {
 
   // Completion: collective Works finish in issue order, so one thread waits on the
   // oldest; point-to-point Requests finish in any order, so another polls them all.
+  // One condition variable (the collectives': a bell) per thread, so a submit wakes only
+  // the thread it feeds, and the collectives' thread only when it sleeps (completionLoop).
   std::mutex m_;
-  std::condition_variable cv_;
+  std::shared_ptr<CompletionBell> coll_bell_ = std::make_shared<CompletionBell>();
+  std::condition_variable p2p_cv_, cuda_cv_;
   std::deque<c10::intrusive_ptr<CrossbarWork>> coll_pending_;
   std::deque<c10::intrusive_ptr<CrossbarWork>> p2p_incoming_;
   bool stop_ = false;

@@ -284,6 +284,11 @@ class CudaWork final : public Work {
     return true;
   }
 
+  bool hasFinished() override {
+    std::lock_guard<std::mutex> lk(m_);
+    return pollLocked();
+  }
+
   void wait(Deadline deadline) override {
     auto sleep = std::chrono::microseconds(0);
     for (int polls = 0;; ++polls) {

@@ -116,6 +116,34 @@ def test_async_futures_and_errors():
     run_ranks(_async_and_errors, 3)
 
 
+def _background_progress(rank, world):
+    import datetime
+
+    # A call nobody waits for still runs: rank 0 issues and leaves its works alone (no wait,
+    # no future, no test), the others wait for theirs, which needs rank 0's part. The
+    # backend starts it without a hand-off at issue (the issuing thread's wait() usually
+    # runs it); its completion thread starts whatever no one waited for.
+    gloo = dist.new_group(backend="gloo")
+    for n in (16, 1 << 16):  # the eager path and a staged one
+        t = torch.full((n,), float(rank + 1))
+        w = dist.all_reduce(t, async_op=True)
+        if rank != 0:
+            assert w.wait(timeout=datetime.timedelta(seconds=30))
+        dist.barrier(group=gloo)
+        expect = torch.full((n,), float(world * (world + 1) // 2))
+        # Contiguous and in place: the tensor is the buffer, so it holds the sum already.
+        assert torch.equal(t, expect), f"rank {rank}: {n} elements not reduced in the background"
+        assert w.wait() and w.is_completed()
+    # A blocking call that finished inside its issue is complete when it returns.
+    w = dist.all_reduce(torch.ones(4), async_op=True)
+    w.wait()
+    assert w.is_completed() and w.is_success()
+
+
+def test_background_progress():
+    run_ranks(_background_progress, 3)
+
+
 def _train(rank, world, group):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
