@@ -50,6 +50,7 @@
 #include "comm/errors.h"
 #include "comm/log.h"
 #include "comm/store.h"
+#include "comm/thread_name.h"
 #include "telemetry/telemetry.h"
 
 namespace crossbar {
@@ -874,7 +875,10 @@ Collectives::Collectives(std::shared_ptr<Communicator> comm) : comm_(std::move(c
       });
   impl_->q->shared = std::make_shared<const Shared>(
       Shared{impl_->comm, impl_->scratch, impl_->symm, impl_->checker, impl_->eager, impl_->chunk_bytes});
-  impl_->worker = std::thread([q = impl_->q] { q->workerLoop(); });
+  impl_->worker = std::thread([q = impl_->q] {
+    nameThisThread("cb-coll-worker");
+    q->workerLoop();
+  });
 }
 
 Collectives::~Collectives() {

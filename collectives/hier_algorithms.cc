@@ -38,6 +38,7 @@
 #include "collectives/symm_staging.h"
 #include "comm/env.h"
 #include "comm/errors.h"
+#include "comm/thread_name.h"
 #include "telemetry/telemetry.h"
 
 namespace crossbar {
@@ -98,7 +99,10 @@ NodeMap nodeMap(const Communicator& c, const HierComms& h) {
 class InterWorker {
  public:
   InterWorker(std::function<void(size_t)> stage, Deadline deadline)
-      : stage_(std::move(stage)), deadline_(deadline), thread_([this] { loop(); }) {}
+      : stage_(std::move(stage)), deadline_(deadline), thread_([this] {
+          nameThisThread("cb-hier-stage");
+          loop();
+        }) {}
   ~InterWorker() {
     {
       std::lock_guard<std::mutex> lk(m_);

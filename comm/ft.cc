@@ -20,6 +20,7 @@
 #include "comm/file_store.h"
 #include "comm/interrupt.h"
 #include "comm/log.h"
+#include "comm/thread_name.h"
 #include "comm/ucx_context.h"
 
 namespace crossbar::ft {
@@ -144,7 +145,10 @@ class SetupWatch {
         heartbeat_interval_(heartbeat_interval),
         last_hb_(members_.size(), -1),
         changed_(members_.size(), Clock::now()) {
-    thread_ = std::thread([this] { run(); });
+    thread_ = std::thread([this] {
+      nameThisThread("cb-ft-setup");
+      run();
+    });
   }
   ~SetupWatch() { stop(); }
   void stop() {
@@ -462,7 +466,10 @@ FailureDetector::FailureDetector(std::shared_ptr<Store> epoch_store, std::shared
     if (r != rank_ && std::string_view(comm_->context().transportName(comm_->worldRank(r))) == "ucx")
       probes_.push_back(Probe{r, nullptr, {}, now, false, false});
   for (auto& p : probes_) p.ready = peerReady(p.rank);  // usually all: members finish setup together
-  thread_ = std::thread([this] { run(); });
+  thread_ = std::thread([this] {
+    nameThisThread("cb-ft-detect");
+    run();
+  });
 }
 
 FailureDetector::~FailureDetector() {

@@ -12,6 +12,7 @@
 #include "comm/errors.h"
 #include "comm/log.h"
 #include "comm/progress.h"
+#include "comm/thread_name.h"
 
 #if CROSSBAR_TORCH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -723,8 +724,14 @@ void CrossbarBackend::startThreads() {
   // The completion thread waits for (so starts) every call no one waited for within
   // kCompletionPoll; a blocking torch call's own wait() runs it without a hand-off.
   coll_->setDeferredStart(true);
-  coll_thread_ = std::thread([this] { completionLoop(); });
-  p2p_thread_ = std::thread([this] { p2pLoop(); });
+  coll_thread_ = std::thread([this] {
+    nameThisThread("cb-torch-coll");
+    completionLoop();
+  });
+  p2p_thread_ = std::thread([this] {
+    nameThisThread("cb-torch-p2p");
+    p2pLoop();
+  });
 }
 
 c10::intrusive_ptr<c10d::Backend> CrossbarBackend::split(const c10::intrusive_ptr<c10d::Store>& /*store*/,
@@ -850,6 +857,7 @@ void CrossbarBackend::abort() {
     CB_INFO("torch", "abort of {}: a collective still runs until its deadline; released in the background",
             comm_->name());
     std::thread([coll = std::move(coll_), colls = std::move(colls)]() mutable {
+      nameThisThread("cb-torch-release");
       coll.reset();  // drains (bounded by the operation's deadline)
       colls.clear();
     }).detach();
@@ -1213,7 +1221,10 @@ CudaCollectives& CrossbarBackend::ensureCuda(int device, const char* op) {
   cuda_device_ = device;
   cuda_p2p_staged_ = shares_a_gpu;
   announcer_ = std::make_unique<P2pAnnouncer>(comm_);
-  cuda_thread_ = std::thread([this] { cudaLoop(); });
+  cuda_thread_ = std::thread([this] {
+    nameThisThread("cb-torch-cuda");
+    cudaLoop();
+  });
   return *cuda_;
 }
 

@@ -9,6 +9,7 @@
 
 #include "comm/errors.h"
 #include "comm/log.h"
+#include "comm/thread_name.h"
 #include "symmem/cuda/nccl_window.h"
 
 namespace crossbar::cuda {
@@ -107,7 +108,10 @@ std::shared_ptr<NcclFtComm> NcclFtComm::create(ft::FaultTolerantComm& ft, NcclFt
     self->last_rebuild_ = "init";
   }
   if (self->options_.watchdog_period.count() > 0)
-    self->watchdog_ = std::thread([s = self.get()] { s->watchdog(); });
+    self->watchdog_ = std::thread([s = self.get()] {
+      nameThisThread("cb-nccl-wdog");
+      s->watchdog();
+    });
   ft.attach(self);
   return self;
 }
