@@ -802,7 +802,7 @@ void CrossbarBackend::stopThreads() {
     p2p_new_ = true;
   }
   coll_bell_->ring();
-  p2p_cv_.notify_all();
+  p2p_bell_->ring();
   cuda_cv_.notify_all();
   if (coll_thread_.joinable()) coll_thread_.join();
   if (p2p_thread_.joinable()) p2p_thread_.join();
@@ -956,29 +956,41 @@ constexpr auto kCompletionPoll = std::chrono::milliseconds(1);
 constexpr auto kCompletionIdle = std::chrono::milliseconds(50);
 }  // namespace
 
+// Waits for `bell`: at most kCompletionPoll while the thread was busy (`busy_at`) within
+// kCompletionIdle, else until it rings. Asleep only when `nothing_queued` (called under
+// m_), checked under the bell's lock: a submit queues first and then looks at `asleep`
+// under it, so its work was either seen here or it rings.
+void CrossbarBackend::awaitBell(CompletionBell& bell, Clock::time_point busy_at,
+                                const std::function<bool()>& nothing_queued) {
+  std::unique_lock<std::mutex> bl(bell.m);
+  if (!bell.rung) {
+    bool sleep = Clock::now() - busy_at >= kCompletionIdle;
+    if (sleep) {
+      std::lock_guard<std::mutex> lk(m_);
+      sleep = nothing_queued() && !stop_;
+    }
+    bell.asleep = sleep;
+    if (sleep)
+      bell.cv.wait(bl, [&] { return bell.rung.load(); });
+    else
+      bell.cv.wait_for(bl, kCompletionPoll, [&] { return bell.rung.load(); });
+    bell.asleep = false;
+  }
+  bell.rung = false;
+}
+
+// Whether a thread takes a queued host work over now (called under m_): when stopping,
+// when its future is wanted, for the staged CUDA point to point (only that thread posts
+// it), and once no wait() took care of it within kCompletionPoll.
+bool CrossbarBackend::takeNow(const CrossbarWork& w, Clock::time_point now) const {
+  return stop_ || w.future_wanted.load() || w.staged || w.start || now - w.queued_at >= kCompletionPoll;
+}
+
 void CrossbarBackend::completionLoop() {
   CompletionBell& bell = *coll_bell_;
   Clock::time_point busy_at = Clock::now();  // when the queue was last seen non-empty
   while (true) {
-    {
-      std::unique_lock<std::mutex> bl(bell.m);
-      if (!bell.rung) {
-        // Asleep only with nothing queued, checked under the bell's lock: a submit queues
-        // first and then looks at `asleep` under it, so it either was seen here or rings.
-        bool idle = Clock::now() - busy_at >= kCompletionIdle;
-        if (idle) {
-          std::lock_guard<std::mutex> lk(m_);
-          idle = coll_pending_.empty() && !stop_;
-        }
-        bell.asleep = idle;
-        if (bell.asleep)
-          bell.cv.wait(bl, [&] { return bell.rung; });
-        else
-          bell.cv.wait_for(bl, kCompletionPoll, [&] { return bell.rung; });
-        bell.asleep = false;
-      }
-      bell.rung = false;
-    }
+    awaitBell(bell, busy_at, [&] { return coll_pending_.empty(); });
     std::unique_lock<std::mutex> lk(m_);
     while (!coll_pending_.empty()) {
       busy_at = Clock::now();
@@ -988,7 +1000,7 @@ void CrossbarBackend::completionLoop() {
         if (auto e = w->exception(); e && !first_error_) first_error_ = e;
         continue;
       }
-      if (!stop_ && !w->future_wanted.load() && busy_at - w->queued_at < kCompletionPoll) break;
+      if (!takeNow(*w, busy_at)) break;
       lk.unlock();
       std::exception_ptr err;
       bool done = w->waitUnderlying(Deadline::after(Millis(200)), &err);
@@ -1005,15 +1017,32 @@ void CrossbarBackend::completionLoop() {
 
 void CrossbarBackend::p2pLoop() {
   std::vector<c10::intrusive_ptr<CrossbarWork>> active;
+  CompletionBell& bell = *p2p_bell_;
+  Clock::time_point busy_at = Clock::now();  // when works were last seen
   while (true) {
+    // Like the completion thread: a blocking send/recv is finished by its own wait(); this
+    // thread takes a work over once that did not happen within kCompletionPoll (it then
+    // enforces the timeout, withdrawing receives), or when its future is wanted.
+    if (active.empty())
+      awaitBell(bell, busy_at, [&] { return p2p_incoming_.empty(); });
+    else
+      bell.rung = false;
     {
       std::unique_lock<std::mutex> lk(m_);
-      if (active.empty()) p2p_cv_.wait(lk, [&] { return stop_ || !p2p_incoming_.empty(); });
-      for (auto& w : p2p_incoming_) active.push_back(std::move(w));
-      p2p_incoming_.clear();
+      const Clock::time_point now = Clock::now();
+      if (!active.empty() || !p2p_incoming_.empty()) busy_at = now;
+      std::erase_if(p2p_incoming_, [&](c10::intrusive_ptr<CrossbarWork>& w) {
+        if (w->completedFlag()) {  // finished by a wait() or isCompleted()
+          if (auto e = w->exception(); e && !first_error_) first_error_ = e;
+          return true;
+        }
+        if (!takeNow(*w, now)) return false;
+        active.push_back(std::move(w));
+        return true;
+      });
       p2p_active_ = active.size();
       p2p_new_ = false;
-      if (active.empty() && stop_) return;
+      if (active.empty() && p2p_incoming_.empty() && stop_) return;
     }
     std::erase_if(active, [&](const c10::intrusive_ptr<CrossbarWork>& w) {
       std::exception_ptr err;
@@ -1070,7 +1099,7 @@ void CrossbarBackend::p2pLoop() {
     const bool copying = std::any_of(active.begin(), active.end(), [](const auto& w) { return w->start != nullptr; });
     comm_->engine().waitUntil(
         [&] {
-          if (p2p_new_.load()) return true;
+          if (p2p_new_.load() || bell.rung.load()) return true;
           for (const auto& w : active) {
             if (w->start) continue;
             bool all = true;
@@ -1182,12 +1211,13 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::submit(c10d::OpType type, const 
   }
   if (p2p) {
     if (finishedAtIssue(*work)) return work;
+    work->queued_at = Clock::now();
+    work->bell = p2p_bell_;
     {
       std::lock_guard<std::mutex> lk(m_);
       p2p_incoming_.push_back(work);
-      p2p_new_ = true;
     }
-    p2p_cv_.notify_all();
+    p2p_bell_->ringIfAsleep();
     return work;
   }
   if (finishedAtIssue(*work)) return work;
@@ -1457,7 +1487,7 @@ void CrossbarBackend::launchStaged(const c10::intrusive_ptr<CrossbarWork>& work,
     p2p_incoming_.push_back(work);
     p2p_new_ = true;
   }
-  p2p_cv_.notify_all();
+  p2p_bell_->ring();
 }
 
 std::string CrossbarBackend::cudaP2pPath() const {
@@ -2285,7 +2315,7 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::endCoalescing() {
     }
   }
   coll_bell_->ring();
-  p2p_cv_.notify_all();
+  p2p_bell_->ring();
   return w;
 }
 

@@ -79,8 +79,8 @@ class TorchStoreAdapter : public crossbar::Store {
 struct CompletionBell {
   std::mutex m;
   std::condition_variable cv;
-  bool rung = false;
-  bool asleep = false;  // the thread waits without a timeout: only a ring wakes it
+  std::atomic<bool> rung{false};  // (read without `m` by a thread that polls it while busy)
+  bool asleep = false;            // the thread waits without a timeout: only a ring wakes it
   void ring() {
     {
       std::lock_guard<std::mutex> lk(m);
@@ -141,7 +141,7 @@ class CrossbarWork : public c10d::Work {
   std::vector<c10::intrusive_ptr<CrossbarWork>> children;  // a coalesced group's parts
   int source_rank_ = -1;
   Deadline deadline = Deadline::never();  // point to point: when the completion thread gives up
-  // Host collectives queued for the completion thread: when, and its bell for getFuture().
+  // Host works queued for the completion or p2p thread: when, and its bell for getFuture().
   Clock::time_point queued_at{};
   std::shared_ptr<CompletionBell> bell;
   std::atomic<bool> future_wanted{false};
@@ -318,6 +318,9 @@ class CrossbarBackend : public c10d::Backend {
   void p2pLoop();
   void stopThreads();
   bool finishedAtIssue(CrossbarWork& work);
+  void awaitBell(CompletionBell& bell, Clock::time_point busy_at,
+                 const std::function<bool()>& nothing_queued);
+  bool takeNow(const CrossbarWork& w, Clock::time_point now) const;
 
   c10::intrusive_ptr<Options> options_;
   std::shared_ptr<Communicator> comm_;
@@ -326,11 +329,12 @@ class CrossbarBackend : public c10d::Backend {
 
   // Completion: collective Works finish in issue order, so one thread waits on the
   // oldest; point-to-point Requests finish in any order, so another polls them all.
-  // One condition variable (the collectives': a bell) per thread, so a submit wakes only
-  // the thread it feeds, and the collectives' thread only when it sleeps (completionLoop).
+  // A bell (host) or condition variable (CUDA) per thread, so a submit wakes only the thread
+  // it feeds, and the host threads only when they sleep (completionLoop, p2pLoop).
   std::mutex m_;
   std::shared_ptr<CompletionBell> coll_bell_ = std::make_shared<CompletionBell>();
-  std::condition_variable p2p_cv_, cuda_cv_;
+  std::shared_ptr<CompletionBell> p2p_bell_ = std::make_shared<CompletionBell>();
+  std::condition_variable cuda_cv_;
   std::deque<c10::intrusive_ptr<CrossbarWork>> coll_pending_;
   std::deque<c10::intrusive_ptr<CrossbarWork>> p2p_incoming_;
   bool stop_ = false;
