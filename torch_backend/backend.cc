@@ -1032,8 +1032,13 @@ void CrossbarBackend::p2pLoop() {
       const Clock::time_point now = Clock::now();
       if (!active.empty() || !p2p_incoming_.empty()) busy_at = now;
       std::erase_if(p2p_incoming_, [&](c10::intrusive_ptr<CrossbarWork>& w) {
-        if (w->completedFlag()) {  // finished by a wait() or isCompleted()
-          if (auto e = w->exception(); e && !first_error_) first_error_ = e;
+        if (w->completedFlag()) {  // finished by a wait(), isCompleted() or abort()
+          if (auto e = w->exception()) {
+            if (!first_error_) first_error_ = e;
+            // Failed while the transport still holds it (a send the peer never took, a
+            // receive whose message is arriving): keep its buffers (LingeringWorks).
+            if (transportStillHolds(*w)) orphans_.push_back(w);
+          }
           return true;
         }
         if (!takeNow(*w, now)) return false;
