@@ -43,19 +43,12 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) throw InvalidArgument(fmt::format("{} needs a value", s));
       return argv[++i];
     };
-    if (s == "--nranks" || s == "-n")
-      a.nranks = static_cast<int>(env::parseInt(next(), s));
-    else if (s == "--ranks-per-node")
-      a.ranks_per_node = static_cast<int>(env::parseInt(next(), s));
-    else if (s == "--max-bytes")
-      a.max_bytes = env::parseSize(next(), s);
-    else if (s == "--iters")
-      a.iters = static_cast<int>(env::parseInt(next(), s));
-    else if (s == "-h" || s == "--help") {
-      usage();
-      std::exit(0);
-    } else
-      throw InvalidArgument(fmt::format("unknown option {}; see --help", s));
+    if (s == "--nranks" || s == "-n") a.nranks = static_cast<int>(env::parseInt(next(), s));
+    else if (s == "--ranks-per-node") a.ranks_per_node = static_cast<int>(env::parseInt(next(), s));
+    else if (s == "--max-bytes") a.max_bytes = env::parseSize(next(), s);
+    else if (s == "--iters") a.iters = static_cast<int>(env::parseInt(next(), s));
+    else if (s == "-h" || s == "--help") { usage(); std::exit(0); }
+    else throw InvalidArgument(fmt::format("unknown option {}; see --help", s));
   }
   if (a.nranks < 2) throw InvalidArgument("--nranks must be at least 2");
   if (a.ranks_per_node < 1) throw InvalidArgument("--ranks-per-node must be at least 1");

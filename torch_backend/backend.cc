@@ -1214,25 +1214,14 @@ c10::intrusive_ptr<c10d::Work> CrossbarBackend::submit(c10d::OpType type, const 
     coalesced_->children.push_back(work);
     return work;
   }
-  if (p2p) {
-    if (finishedAtIssue(*work)) return work;
-    work->queued_at = Clock::now();
-    work->bell = p2p_bell_;
-    {
-      std::lock_guard<std::mutex> lk(m_);
-      p2p_incoming_.push_back(work);
-    }
-    p2p_bell_->ringIfAsleep();
-    return work;
-  }
   if (finishedAtIssue(*work)) return work;
   work->queued_at = Clock::now();
-  work->bell = coll_bell_;
+  work->bell = p2p ? p2p_bell_ : coll_bell_;
   {
     std::lock_guard<std::mutex> lk(m_);
-    coll_pending_.push_back(work);
+    (p2p ? p2p_incoming_ : coll_pending_).push_back(work);
   }
-  coll_bell_->ringIfAsleep();
+  work->bell->ringIfAsleep();
   return work;
 }
 

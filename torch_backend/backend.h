@@ -74,8 +74,9 @@ class TorchStoreAdapter : public crossbar::Store {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
-// Wakes the collectives' completion thread (CrossbarBackend::completionLoop). Shared with
-// the works it watches, since a work (and its getFuture()) may outlive its backend.
+// Wakes the backend's completion or point-to-point thread (CrossbarBackend::completionLoop,
+// p2pLoop). Shared with the works it watches, since a work (and its getFuture()) may
+// outlive its backend.
 struct CompletionBell {
   std::mutex m;
   std::condition_variable cv;
@@ -118,8 +119,8 @@ class CrossbarWork : public c10d::Work {
   void synchronize() override;
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void abort() override;
-  // A host collective's future is completed by the completion thread, which this wakes
-  // (it leaves a work alone for a while otherwise: see CrossbarBackend::completionLoop).
+  // A queued host work's future is completed by the completion or point-to-point thread,
+  // which this wakes (it leaves a work alone for a while otherwise: see completionLoop).
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::chrono::milliseconds getTimeout() const { return timeout_; }
 
