@@ -11,7 +11,11 @@
 // grace period, so that an issue-then-wait call, and a thread waiting through a batch
 // of operations, run them inline (no futex wake-up and context switch per operation,
 // which dominates small operations with more ranks than cores). Operations nobody
-// waits for still start within the grace period. Selection (and the lazy creation
+// waits for start when the worker next looks: it is woken by an issue only after it
+// went to sleep for good (nothing issued for kWorkerRest); while calls keep coming it
+// looks every CROSSBAR_COLL_START_POLL_US instead. A wake-up per issue, the other way,
+// preempts a rank when ranks fill the cores: an issue-then-wait 64 KiB allreduce took
+// twice as long (docs/performance.md, session 18). Selection (and the lazy creation
 // of hierarchical sub-communicators, a collective split) happens in the issuing
 // thread, so those run in issue order too.
 //
@@ -65,6 +69,9 @@ constexpr uint32_t kSeqBits = 20, kSubBits = 6;
 // how often the worker looks again while others execute or wait.
 constexpr auto kHandOffGrace = std::chrono::microseconds(50);
 constexpr auto kWorkerPoll = std::chrono::microseconds(500);
+// How long the worker keeps looking for calls nobody waits for after the last issue,
+// before it sleeps until an issue wakes it.
+constexpr auto kWorkerRest = std::chrono::milliseconds(50);
 uint32_t opTag(uint64_t seq) {
   return kCollTagBase | (static_cast<uint32_t>(seq & ((1u << kSeqBits) - 1)) << kSubBits);
 }
@@ -267,6 +274,10 @@ struct Queue {
   bool stop = false;
   bool worker_idle = false;      // the worker sleeps without a timeout (queue was empty)
   bool deferred_start = false;   // Collectives::setDeferredStart: push() leaves the worker asleep
+  // CROSSBAR_COLL_START_POLL_US: how often the worker looks for calls nobody waits for
+  // while calls keep coming; zero: every issue wakes it (when asleep).
+  Clock::duration start_poll{};
+  uint64_t pushes = 0;           // calls queued so far: the worker tells a busy queue from an idle one
   int helpers = 0;               // threads blocked in wait() that will run the head
   Clock::time_point last_end{};  // when the last queued operation finished
   std::exception_ptr sticky;
@@ -298,6 +309,7 @@ struct Queue {
     w->timeout = timeout;
     w->ahead = static_cast<uint32_t>(items.size() + (executing ? 1 : 0));
     items.push_back(w);
+    ++pushes;
     pending.fetch_add(1, std::memory_order_relaxed);
     if (stamp) {
       w->enqueued = Clock::now();
@@ -428,6 +440,8 @@ struct Queue {
   // The worker thread's loop: runs heads nobody else runs, until stopped and drained.
   void workerLoop() {
     std::unique_lock<std::mutex> lk(m);
+    uint64_t pushes_seen = pushes;
+    Clock::time_point last_push_seen = Clock::now();
     while (true) {
       if (canRunHead()) {
         if (stop || (helpers == 0 && Clock::now() >= workerClaimsAt())) {
@@ -438,6 +452,18 @@ struct Queue {
         continue;
       }
       if (stop && items.empty()) return;
+      if (items.empty() && start_poll > Clock::duration::zero() && !deferred_start) {
+        // Calls came since the last look: keep looking without being woken per call.
+        const Clock::time_point now = Clock::now();
+        if (pushes != pushes_seen) {
+          pushes_seen = pushes;
+          last_push_seen = now;
+        }
+        if (now - last_push_seen < kWorkerRest) {
+          worker_cv.wait_for(lk, start_poll);
+          continue;
+        }
+      }
       if (items.empty()) {
         worker_idle = true;
         worker_cv.wait(lk);
@@ -858,6 +884,8 @@ Collectives::Collectives(std::shared_ptr<Communicator> comm) : comm_(std::move(c
   if (!comm_) throw InvalidArgument("Collectives: the communicator is null");
   impl_->comm = comm_;
   impl_->q->rank = comm_->rank();
+  impl_->q->start_poll =
+      std::chrono::microseconds(std::max<int64_t>(env::getInt("CROSSBAR_COLL_START_POLL_US"), 0));
   impl_->env_override = parseAlgoOverride(env::getString("CROSSBAR_ALGO"));
   impl_->chunk_bytes = std::max<uint64_t>(env::getSize("CROSSBAR_COLL_CHUNK_SIZE"), 64);
   impl_->checker = std::make_shared<CallChecker>(callCheckModeFromEnv());

@@ -3,6 +3,9 @@
 // per-rank counts (allgather, reduce_scatter, alltoall, gather, scatter) are the
 // elements each rank contributes or receives. Operations on one Collectives object
 // run in the order they were issued (like a stream); nonblocking calls return a Work.
+// A call runs on the thread that waits for (or tests) its Work; one that nobody waits
+// for is started by a worker thread within CROSSBAR_COLL_START_POLL_US (default 500 us),
+// without a thread wake-up per call.
 #pragma once
 
 #include <cstdint>
@@ -91,11 +94,11 @@ class Collectives {
   WorkPtr groupEnd();
 
   // Deferred start: a call that does not finish inside its issue is left for the issuing
-  // thread's wait() or test() instead of waking the worker thread at once (which, with as
-  // many busy threads as cores, preempts one: a 64 KiB allreduce issued and waited for
-  // through torch took 2x as long). Whoever sets it guarantees that every call is waited
-  // for or tested within a bound, e.g. by a completion thread of its own (the torch backend:
-  // within 1 ms); a wait() with a short deadline or a test() wakes the worker as before.
+  // thread's wait() or test(); the worker thread does not look for it (by default it looks
+  // every CROSSBAR_COLL_START_POLL_US while calls keep coming). Whoever sets it guarantees
+  // that every call is waited for or tested within a bound, e.g. by a completion thread of
+  // its own (the torch backend: within 1 ms); a wait() with a short deadline or a test()
+  // wakes the worker as before.
   void setDeferredStart(bool on);
 
  private:

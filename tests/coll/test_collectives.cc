@@ -19,6 +19,7 @@
 #include "collectives/reduce.h"
 #include "collectives/selection.h"
 #include "comm/errors.h"
+#include "comm/tcp_store.h"
 #include "harness/multiprocess.h"
 
 using namespace crossbar;
@@ -653,6 +654,51 @@ TEST(Collectives, SendRecvAndGroups) {
     expectThrows([&] { coll.groupEnd(); }, ErrorCode::kInvalidUsage, "without a matching groupStart");
     comm->destroy();
   });
+}
+
+// A nonblocking call that this rank never waits for or tests still runs (the worker
+// thread starts it): after a pause (the worker asleep, woken by the issue) and right
+// after other calls (the worker looking every CROSSBAR_COLL_START_POLL_US), with the
+// default and with a wake per issue (0). Rank 1 waits; rank 0 only watches the store,
+// so rank 1 finishes only if rank 0's worker ran the call.
+TEST(Collectives, CallNobodyWaitsForStillRuns) {
+  for (const char* poll : {"500", "0"}) {
+    RunOptions opts;
+    opts.env = {{"CROSSBAR_COLL_START_POLL_US", poll}};
+    runRanks(
+        2,
+        [](RankEnv& env) {
+          auto comm = env.communicator();
+          Collectives coll(comm);
+          const int r = comm->rank();
+          // Its own store client: the communicator's may be busy (heap set-up).
+          TcpStoreOptions so;
+          so.host = "127.0.0.1";
+          so.port = static_cast<uint16_t>(std::stoi(env.store_addr.substr(env.store_addr.rfind(':') + 1)));
+          TcpStore store(so);
+          std::vector<float> in(65536 / sizeof(float), static_cast<float>(r + 1)), out(in.size());
+          for (int round = 0; round < 4; ++round) {
+            // Rounds 0 and 2: after 100 ms without calls; 1 and 3: right after a blocking one.
+            if (round % 2 == 0)
+              std::this_thread::sleep_for(std::chrono::milliseconds(100));
+            else
+              coll.allreduce(in.data(), out.data(), in.size(), DataType::kFloat32, ReduceOp::kSum)->wait();
+            std::fill(out.begin(), out.end(), 0.0f);
+            auto w = coll.allreduce(in.data(), out.data(), in.size(), DataType::kFloat32, ReduceOp::kSum);
+            const std::string done = fmt::format("done/{}", round);
+            if (r == 1) {
+              w->wait();
+              store.set(done, Bytes{1});
+            } else {
+              store.wait({done}, Deadline::after(Millis(20000)));  // no wait() or test() here
+            }
+            w->wait();
+            for (float v : out) ASSERT_EQ(v, 3.0f);
+          }
+          comm->destroy();
+        },
+        opts);
+  }
 }
 
 TEST(Collectives, InvalidArguments) {
