@@ -141,7 +141,7 @@ EagerChannel::EagerChannel(std::shared_ptr<Communicator> comm, std::shared_ptr<C
   static_assert(sizeof(Header) == kHeaderBytes, "the payload starts 8-byte aligned inside the header's line");
   slot_bytes_ = roundUp(kHeaderBytes + cap_, kLine);  // every header starts a line
   known_done_.assign(size_, 0);
-  if (everyRankHasACore(comm_->localSize()))
+  if (everyRankHasACore(comm_->machineLocalSize()))
     spin_ = std::chrono::microseconds(std::max<int64_t>(env::getInt("CROSSBAR_SPIN_US"), 0));
   srcs_.resize(size_);
   bases_.assign(size_, nullptr);

@@ -415,7 +415,7 @@ std::vector<CallSignature> CallChecker::collectLocal(const std::shared_ptr<Commu
     if (!arrived()) {
       // A pause costs ~33 ns on this EPYC VM: with more ranks than cores, 256 of them
       // (8 us) only delay the yield the late peer needs (as in SymmStaging::wait).
-      const int pauses = everyRankHasACore(comm->localSize()) ? 256 : 16;
+      const int pauses = everyRankHasACore(comm->machineLocalSize()) ? 256 : 16;
       for (int i = 0; i < pauses && !arrived(); ++i) __builtin_ia32_pause();
       const auto yield_until = Clock::now() + Millis(2);
       for (int i = 0; !arrived() && Clock::now() < yield_until; ++i) {

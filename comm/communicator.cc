@@ -301,7 +301,7 @@ std::shared_ptr<Communicator> Communicator::fromEnvironment(CommOptions options)
   BootstrapInfo info = detectBootstrap();
   auto store = connectStore(info);
   auto comm = create(std::move(store), info.rank, info.size, options);
-  bindThisProcess(comm->localRank(), comm->localSize());
+  bindThisProcess(comm->machineLocalRank(), comm->machineLocalSize());
   return comm;
 }
 
@@ -309,6 +309,16 @@ Communicator::~Communicator() = default;
 
 int Communicator::localRank() const { return local_rank_; }
 int Communicator::localSize() const { return static_cast<int>(local_peers_.size()); }
+int Communicator::machineLocalRank() const {
+  const int me = members_.at(rank_);
+  return static_cast<int>(std::count_if(members_.begin(), members_.begin() + rank_,
+                                        [&](int w) { return topology().sameMachine(w, me); }));
+}
+int Communicator::machineLocalSize() const {
+  const int me = members_.at(rank_);
+  return static_cast<int>(
+      std::count_if(members_.begin(), members_.end(), [&](int w) { return topology().sameMachine(w, me); }));
+}
 int Communicator::node() const { return nodeOf(rank_); }
 int Communicator::nodeOf(int rank) const { return topology().node(members_.at(rank)); }
 int Communicator::countNodes() const {

@@ -48,6 +48,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int size() const { return static_cast<int>(members_.size()); }
   int localRank() const;
   int localSize() const;
+  // This rank's index among this communicator's ranks on its physical machine, and their
+  // count: the processes that share this machine's cores. Equal to localRank/localSize
+  // but with virtual nodes (CROSSBAR_RANKS_PER_NODE, CROSSBAR_NODE_ID), which split one
+  // machine into several nodes.
+  int machineLocalRank() const;
+  int machineLocalSize() const;
   int node() const;
   int numNodes() const { return num_nodes_; }  // computed once at construction
   // Ranks of this communicator on the same node as `rank`, in rank order.

@@ -68,13 +68,16 @@ class Topology {
   int num_nodes_ = 0;
 };
 
-// Whether `local_ranks` processes of one node each have an online core of their own:
+// Whether `local_ranks` processes of one machine (Communicator::machineLocalSize, not
+// the node's size: virtual nodes share the machine's cores) each have an online core of their own:
 // waits spin only then (else they yield the core a peer may need). The core count is
 // read once per process; glibc reads it from /sys on every call, which cost 10% of a
 // 2-rank 64 KiB alltoall when a wait asked for it each time.
 bool everyRankHasACore(int local_ranks);
 
-// Bind the calling process per CROSSBAR_BIND (none|numa|core). No-op for none.
+// Bind the calling process per CROSSBAR_BIND (none|numa|core). No-op for none. Pass the
+// rank's index and count on its machine (Communicator::machineLocalRank/Size): ranks of
+// different virtual nodes on one machine must not get the same core.
 void bindThisProcess(int local_rank, int local_size);
 
 }  // namespace crossbar

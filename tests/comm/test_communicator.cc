@@ -114,6 +114,35 @@ TEST(Communicator, SplitAndDup) {
   });
 }
 
+// Virtual nodes split one machine: localRank/localSize are per node, machineLocalRank/
+// machineLocalSize count every rank of the communicator on the machine (what core binding
+// and the spin-or-yield choice need); a split counts its own members only.
+TEST(Communicator, MachineLocalRanksWithVirtualNodes) {
+  crossbar::testing::RunOptions opts;
+  opts.env["CROSSBAR_RANKS_PER_NODE"] = "2";
+  runRanks(
+      4,
+      [](RankEnv& env) {
+        auto world = env.communicator();
+        EXPECT_EQ(world->numNodes(), 2);
+        EXPECT_EQ(world->localRank(), env.rank % 2);
+        EXPECT_EQ(world->localSize(), 2);
+        EXPECT_EQ(world->machineLocalRank(), env.rank);
+        EXPECT_EQ(world->machineLocalSize(), 4);
+        auto odd_first = world->split(0, env.rank % 2 == 1 ? env.rank : 10 + env.rank);  // 1, 3, 0, 2
+        const int expected[] = {2, 0, 3, 1};
+        EXPECT_EQ(odd_first->machineLocalRank(), expected[env.rank]);
+        EXPECT_EQ(odd_first->machineLocalSize(), 4);
+        auto some = world->split(env.rank < 3 ? 0 : -1, 0);
+        if (some) {
+          EXPECT_EQ(some->machineLocalRank(), env.rank);
+          EXPECT_EQ(some->machineLocalSize(), 3);
+        }
+        world->barrier();
+      },
+      opts);
+}
+
 TEST(Communicator, ManyBarriersMoreRanksThanCores) {
   runRanks(8, [](RankEnv& env) {
     auto c = env.communicator();
