@@ -56,6 +56,10 @@ std::shared_ptr<Context> Context::create(std::shared_ptr<Store> store, int rank,
   }
   if (ranks_per_node < 0) ranks_per_node = static_cast<int>(env::getInt("CROSSBAR_RANKS_PER_NODE"));
   ctx->topology_ = Topology::build(infos, ranks_per_node);
+  // Waits spin only when every process of the job on this machine has a core.
+  int on_machine = 0;
+  for (int r = 0; r < size; ++r) on_machine += ctx->topology_.sameMachine(r, rank);
+  ctx->engine_.setProcessesOnMachine(on_machine);
 
   // Route each peer: shared memory within a (virtual) node on one machine, UCX otherwise.
   std::string mode = env::getEnum("CROSSBAR_TRANSPORT");

@@ -24,7 +24,7 @@ const std::vector<Variable>& all() {
       {"CROSSBAR_RANKS_PER_NODE", Type::kInt, "0", "Topology override: split ranks into virtual nodes of this many consecutive ranks. 0: off."},
       {"CROSSBAR_TRANSPORT", Type::kEnum, "auto", "Transport between peers: auto (shm within a node, ucx across), shm, ucx.", {"auto", "shm", "ucx"}},
       {"CROSSBAR_SHM_RING_SIZE", Type::kSize, "4M", "Bytes of each shared-memory receive ring (one per local peer pair and direction)."},
-      {"CROSSBAR_SPIN_US", Type::kInt, "50", "Microseconds a wait spins before it blocks."},
+      {"CROSSBAR_SPIN_US", Type::kInt, "50", "Microseconds a wait spins before it blocks, when every process of the job on this machine has a core; otherwise waits yield the core between looks for up to 2 ms instead."},
       {"CROSSBAR_ASYMMETRIC_FENCE", Type::kBool, "1", "Publish-then-wake handshakes between local ranks use a compiler barrier on the frequent side and membarrier(GLOBAL_EXPEDITED) before a sleep, instead of a full fence per publish."},
       {"CROSSBAR_BIND", Type::kEnum, "none", "Bind each rank to cores: none, numa (its NUMA node's cores), core (one core per local rank).", {"none", "numa", "core"}},
       {"CROSSBAR_UCX_TLS", Type::kString, "", "UCX_TLS to use for crossbar's UCX context (default: UCX's own choice)."},

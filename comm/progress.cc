@@ -1,6 +1,7 @@
 #include "comm/progress.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
@@ -9,10 +10,15 @@
 #include <thread>
 
 #include "comm/env.h"
+#include "comm/topology.h"
 #include "comm/transport.h"
 
 namespace crossbar {
 namespace {
+
+// How long a wait yields between progress passes before it blocks, when processes
+// outnumber cores (as the symmetric-memory collectives' waits do, symm_algorithms.cc).
+constexpr std::chrono::milliseconds kYieldPhase{2};
 
 // How long one blocking poll may last: what is left of the deadline, to the nanosecond, at
 // most max_sleep_ (100 ms). (poll()'s whole milliseconds made a wait with under 1 ms left poll with
@@ -27,6 +33,10 @@ std::chrono::nanoseconds sleepBound(Deadline deadline, std::chrono::nanoseconds 
 
 ProgressEngine::ProgressEngine() : spin_us_(static_cast<int>(env::getInt("CROSSBAR_SPIN_US"))) {
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);  // -1: the poller wakes by its timeout only
+}
+
+void ProgressEngine::setProcessesOnMachine(int n) {
+  yield_ = !everyRankHasACore(n);
 }
 
 ProgressEngine::~ProgressEngine() {
@@ -84,12 +94,16 @@ void ProgressEngine::notifyMoved() {
 }
 
 bool ProgressEngine::waitUntil(const std::function<bool()>& done, Deadline deadline) {
-  // Phase 1: spin (progressing) for a short while; most waits end here.
-  auto spin_end = Clock::now() + std::chrono::microseconds(spin_us_);
+  // Phase 1: spin (progressing) for a short while; most waits end here. With more
+  // processes than cores, yield the core between passes instead, for up to kYieldPhase:
+  // the peer this wait needs may be the one waiting for this core (4 ranks on 2 cores: an
+  // 8 B sendrecv 66-75 -> 5-15 us, docs/performance.md session 18).
+  const auto spin_end = Clock::now() + (yield_ ? kYieldPhase : std::chrono::microseconds(spin_us_));
   while (true) {
     progressOnce();
     if (done()) return true;
     if (Clock::now() >= spin_end) break;
+    if (yield_) sched_yield();
   }
   // Phase 2: block between progress passes, so ranks oversubscribing cores yield the CPU
   // to the peers they wait for: one waiter in poll() on the transports' fds, any others

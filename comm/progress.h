@@ -1,5 +1,7 @@
 // ProgressEngine: drives every transport of a context. Waits spin for
-// CROSSBAR_SPIN_US, then block in ppoll() on the transports' fds (timeout: the deadline's
+// CROSSBAR_SPIN_US (when the job's processes on this machine outnumber its cores, they
+// yield the core between passes for up to 2 ms instead), then block in ppoll() on the
+// transports' fds (timeout: the deadline's
 // remaining time to the nanosecond, at most 100 ms), so many ranks on few cores stay fast
 // and nothing busy-spins without bound, also in waits shorter than a millisecond.
 //
@@ -50,6 +52,9 @@ class ProgressEngine {
   // Longest single blocking sleep (default 100 ms): a lost wake-up costs at most this. Tests
   // raise it so that a missed wake-up shows as a wait of seconds, whatever the machine's load.
   void setSleepBound(std::chrono::nanoseconds bound) { max_sleep_.store(bound, std::memory_order_relaxed); }
+  // How many processes of the job share this machine's cores. When they outnumber the
+  // cores, a wait does not spin on a core its peer may need: it yields between passes.
+  void setProcessesOnMachine(int n);
 
  private:
   std::recursive_mutex mutex_;  // transports are single-threaded inside; the engine serializes
@@ -57,6 +62,7 @@ class ProgressEngine {
   std::vector<std::pair<int, Hook>> hooks_;
   int next_hook_ = 0;
   int spin_us_;
+  bool yield_ = false;  // processes outnumber cores: passes yield the core in the spin phase
   std::atomic<std::chrono::nanoseconds> max_sleep_{std::chrono::milliseconds(100)};
 
   std::atomic<int> blocking_waiters_{0};  // waits past their spin (read without wait_mutex_)
