@@ -1,9 +1,9 @@
 // ProgressEngine: drives every transport of a context. Waits spin for
 // CROSSBAR_SPIN_US (when the job's processes on this machine outnumber its cores, they
 // yield the core between passes for up to 2 ms instead), then block in ppoll() on the
-// transports' fds (timeout: the deadline's
-// remaining time to the nanosecond, at most 100 ms), so many ranks on few cores stay fast
-// and nothing busy-spins without bound, also in waits shorter than a millisecond.
+// transports' fds (timeout: the deadline's remaining time to the nanosecond, at most
+// 100 ms), so many ranks on few cores stay fast and nothing busy-spins without bound,
+// also in waits shorter than a millisecond.
 //
 // Several threads may wait at once (the torch backend's threads and its caller, a
 // helper thread, the failure detector's probes). One of them blocks on the transports'

@@ -68,9 +68,9 @@ class Topology {
   int num_nodes_ = 0;
 };
 
-// Whether `local_ranks` processes of one machine (Communicator::machineLocalSize, not
-// the node's size: virtual nodes share the machine's cores) each have an online core of their own:
-// waits spin only then (else they yield the core a peer may need). The core count is
+// Whether `local_ranks` processes of one machine each have an online core of their own
+// (pass Communicator::machineLocalSize, not the node's size: virtual nodes share the
+// machine's cores): waits spin only then (else they yield the core a peer may need). The core count is
 // read once per process; glibc reads it from /sys on every call, which cost 10% of a
 // 2-rank 64 KiB alltoall when a wait asked for it each time.
 bool everyRankHasACore(int local_ranks);

@@ -899,8 +899,8 @@ int perfMain(const std::string& coll_name, int argc, char** argv) {
       auto exits = launchLocalRanks(n, [&](int rank, int size, std::shared_ptr<Store> store) {
         const int64_t rss = residentBytes();
         auto comm = Communicator::create(std::move(store), rank, size, copts);
-        bindThisProcess(comm->machineLocalRank(),
-                        comm->machineLocalSize());  // CROSSBAR_BIND, as under a launcher
+        // CROSSBAR_BIND, as under a launcher.
+        bindThisProcess(comm->machineLocalRank(), comm->machineLocalSize());
         return runRank(*t, o, comm, program, args, rss);
       });
       return combinedExitCode(exits);
