@@ -273,6 +273,7 @@ struct Queue {
   bool executing = false;
   bool stop = false;
   bool worker_idle = false;      // the worker sleeps without a timeout (queue was empty)
+  bool worker_looking = false;   // the worker sleeps until its next look (start_poll)
   bool deferred_start = false;   // Collectives::setDeferredStart: push() leaves the worker asleep
   // CROSSBAR_COLL_START_POLL_US: how often the worker looks for calls nobody waits for
   // while calls keep coming; zero: every issue wakes it (when asleep).
@@ -295,9 +296,11 @@ struct Queue {
     return std::max(items.front()->enqueued, last_end) + kHandOffGrace;
   }
   // The worker sleeps without a timeout only on an empty queue: wake it once for new work.
-  void wakeWorker() {
-    if (worker_idle && !items.empty()) {
-      worker_idle = false;
+  // `now`: also when it only looks now and then (start_poll): for a test() or a wait()
+  // that will not run the head itself, whose caller is waiting for it (once per look).
+  void wakeWorker(bool now = false) {
+    if ((worker_idle || (now && worker_looking)) && !items.empty()) {
+      worker_idle = worker_looking = false;
       worker_cv.notify_one();
     }
   }
@@ -460,7 +463,9 @@ struct Queue {
           last_push_seen = now;
         }
         if (now - last_push_seen < kWorkerRest) {
+          worker_looking = true;
           worker_cv.wait_for(lk, start_poll);
+          worker_looking = false;
           continue;
         }
       }
@@ -483,7 +488,7 @@ bool WorkImpl::test() {
   std::unique_lock<std::mutex> lk(q_->m);
   if (!done && q_->shared && !telemetry::Recorder::instance().enabled()) {
     q_->progressEager(lk, this, false);  // a quick look: test() never waits
-    if (!done) q_->wakeWorker();
+    if (!done) q_->wakeWorker(true);
   }
   if (done && err) std::rethrow_exception(err);
   return done;
@@ -535,7 +540,7 @@ void WorkImpl::wait(Deadline deadline) {
     }
     // While the head is one this wait may run, the worker leaves it to this thread.
     const bool helper = q_->items.empty() || now + q_->items.front()->timeout <= deadline.at();
-    if (!helper) q_->wakeWorker();  // the head is the worker's (it may have been left asleep)
+    if (!helper) q_->wakeWorker(true);  // the head is the worker's (it may have been left asleep)
     if (helper) ++q_->helpers;
     q_->cv.wait_for(lk, std::min<Millis>(deadline.remaining(), Millis(100)));
     if (helper) --q_->helpers;

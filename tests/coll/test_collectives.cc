@@ -656,11 +656,11 @@ TEST(Collectives, SendRecvAndGroups) {
   });
 }
 
-// A nonblocking call that this rank never waits for or tests still runs (the worker
-// thread starts it): after a pause (the worker asleep, woken by the issue) and right
-// after other calls (the worker looking every CROSSBAR_COLL_START_POLL_US), with the
-// default and with a wake per issue (0). Rank 1 waits; rank 0 only watches the store,
-// so rank 1 finishes only if rank 0's worker ran the call.
+// A nonblocking call that this rank never waits for still runs (the worker thread starts
+// it): after a pause (the worker asleep, woken by the issue), right after other calls (the
+// worker looking every CROSSBAR_COLL_START_POLL_US), and polled with test() (which wakes
+// the worker), with the default and with a wake per issue (0). Rank 1 waits; rank 0 only
+// watches the store or polls test(), so rank 1 finishes only if rank 0's worker ran it.
 TEST(Collectives, CallNobodyWaitsForStillRuns) {
   for (const char* poll : {"500", "0"}) {
     RunOptions opts;
@@ -677,9 +677,9 @@ TEST(Collectives, CallNobodyWaitsForStillRuns) {
           so.port = static_cast<uint16_t>(std::stoi(env.store_addr.substr(env.store_addr.rfind(':') + 1)));
           TcpStore store(so);
           std::vector<float> in(65536 / sizeof(float), static_cast<float>(r + 1)), out(in.size());
-          for (int round = 0; round < 4; ++round) {
-            // Rounds 0 and 2: after 100 ms without calls; 1 and 3: right after a blocking one.
-            if (round % 2 == 0)
+          for (int round = 0; round < 6; ++round) {
+            // Rounds 0 and 3: after 100 ms without calls; the others right after a blocking one.
+            if (round % 3 == 0)
               std::this_thread::sleep_for(std::chrono::milliseconds(100));
             else
               coll.allreduce(in.data(), out.data(), in.size(), DataType::kFloat32, ReduceOp::kSum)->wait();
@@ -689,6 +689,9 @@ TEST(Collectives, CallNobodyWaitsForStillRuns) {
             if (r == 1) {
               w->wait();
               store.set(done, Bytes{1});
+            } else if (round % 3 == 2) {
+              const Deadline limit = Deadline::after(Millis(20000));
+              while (!w->test()) ASSERT_FALSE(limit.expired()) << "round " << round;
             } else {
               store.wait({done}, Deadline::after(Millis(20000)));  // no wait() or test() here
             }
