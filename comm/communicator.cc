@@ -297,6 +297,7 @@ std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store,
   comm->num_nodes_ = comm->countNodes();
   comm->local_rank_ = static_cast<int>(
       std::find(comm->local_peers_.begin(), comm->local_peers_.end(), rank) - comm->local_peers_.begin());
+  comm->countMachinePeers();
   CB_INFO("comm", "{}", comm->describe());
   return comm;
 }
@@ -313,15 +314,14 @@ Communicator::~Communicator() = default;
 
 int Communicator::localRank() const { return local_rank_; }
 int Communicator::localSize() const { return static_cast<int>(local_peers_.size()); }
-int Communicator::machineLocalRank() const {
+void Communicator::countMachinePeers() {
   const int me = members_.at(rank_);
-  return static_cast<int>(std::count_if(members_.begin(), members_.begin() + rank_,
-                                        [&](int w) { return topology().sameMachine(w, me); }));
-}
-int Communicator::machineLocalSize() const {
-  const int me = members_.at(rank_);
-  return static_cast<int>(
-      std::count_if(members_.begin(), members_.end(), [&](int w) { return topology().sameMachine(w, me); }));
+  machine_local_rank_ = machine_local_size_ = 0;
+  for (int r = 0; r < size(); ++r) {
+    if (!topology().sameMachine(members_[r], me)) continue;
+    if (r < rank_) ++machine_local_rank_;
+    ++machine_local_size_;
+  }
 }
 int Communicator::node() const { return nodeOf(rank_); }
 int Communicator::nodeOf(int rank) const { return topology().node(members_.at(rank)); }
@@ -654,6 +654,7 @@ std::shared_ptr<Communicator> Communicator::makeChild(std::vector<int> members, 
   child->num_nodes_ = child->countNodes();
   child->local_rank_ = static_cast<int>(std::find(child->local_peers_.begin(), child->local_peers_.end(), new_rank) -
                                         child->local_peers_.begin());
+  child->countMachinePeers();
   CB_INFO("comm", "{}", child->describe());
   return child;
 }

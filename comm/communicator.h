@@ -52,8 +52,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // count: the processes that share this machine's cores. Equal to localRank/localSize
   // but with virtual nodes (CROSSBAR_RANKS_PER_NODE, CROSSBAR_NODE_ID), which split one
   // machine into several nodes.
-  int machineLocalRank() const;
-  int machineLocalSize() const;
+  int machineLocalRank() const { return machine_local_rank_; }
+  int machineLocalSize() const { return machine_local_size_; }
   int node() const;
   int numNodes() const { return num_nodes_; }  // computed once at construction
   // Ranks of this communicator on the same node as `rank`, in rank order.
@@ -152,6 +152,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::vector<int> local_peers_;  // communicator ranks on my node, in rank order
   int num_nodes_ = 1;             // distinct nodes among members_ (countNodes())
   int local_rank_ = 0;
+  // machineLocalRank/Size, counted once at construction (waits ask for them).
+  int machine_local_rank_ = 0, machine_local_size_ = 1;
+  void countMachinePeers();
   std::shared_ptr<Store> store_;
 };
 
