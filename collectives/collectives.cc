@@ -24,10 +24,10 @@
 // call and finishes it if the peers' headers arrive within a short spin. It never
 // sleeps, so a nonblocking call stays nonblocking (a late peer leaves the call queued,
 // published). In step with its peers a small call thus finishes inside the call that
-// issued it, without the worker or a wake-up. A published call that is the only one
-// pending needs nothing more from this rank for its peers to finish it, so the worker
-// is left asleep; this rank's next call, test() or wait() finishes it. Anything else
-// left queued is the worker's, as before.
+// issued it, without the worker or a wake-up. One left queued is finished by this
+// rank's next call, test() or wait(), or else by the worker like any other call (a
+// published call needs nothing more from this rank for its peers to finish it, but
+// its own output is written only when it is finished here).
 //
 // A failed operation leaves its peers' traffic in an unknown state, so the error is
 // sticky: every later operation of this Collectives fails at once with the same error
@@ -837,12 +837,7 @@ WorkPtr Collectives::Impl::submit(CollArgs&& a, const CollOptions& o) {
     q->progressEager(lk, w.get(), true);
     if (!w->done) {
       w->enqueued = Clock::now();
-      // Published and the only call pending: the peers finish it without this rank, and
-      // this rank's next call, test() or wait() finishes it here (no wake-up on this
-      // core). Anything else the peers may need from this rank is the worker's. (While
-      // queued nobody executes it, so its eager_published is not being written.)
-      const bool only_mine = q->items.size() == 1 && q->items.front() == w;
-      if (!(only_mine && w->eager_published)) q->wakeWorker();
+      q->wakeWorker();  // left queued: as in runAlone
     }
   }
   return w;
@@ -879,9 +874,11 @@ WorkPtr Collectives::Impl::runAlone(std::shared_ptr<WorkImpl> w, Millis timeout,
   q->push(w, timeout, false);  // published, or waiting for a free slot: the queue finishes it
   issue.unlock();
   w->enqueued = Clock::now();
-  // Published and the only call pending: the peers finish it without this rank, and
-  // this rank's next call, test() or wait() finishes it here (no wake-up on this core).
-  if (!w->eager_published) q->wakeWorker();
+  // Left queued (published or not): this rank's next call, test() or wait() finishes it,
+  // or else the worker at its next look. A worker that sleeps without a timeout (start
+  // poll 0, or no calls for kWorkerRest) is woken for it: a call that nobody waits for
+  // but only polls hasFinished() for must still finish.
+  q->wakeWorker();
   return w;
 }
 

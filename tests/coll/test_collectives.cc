@@ -704,6 +704,48 @@ TEST(Collectives, CallNobodyWaitsForStillRuns) {
   }
 }
 
+// A small (eager) call whose peer is late is left queued, published, by its issue; a
+// rank that then only polls hasFinished() (which never runs a call) still sees it finish:
+// the worker finishes it, also when it slept for good (after a pause, or with a wake per
+// issue). Found by the soak (tests/hardening/soak.cc): such a call waited for this rank's
+// next call, test() or wait(), and a rank polling hasFinished() alone never finished.
+TEST(Collectives, EagerCallPolledWithHasFinishedFinishes) {
+  for (const char* poll : {"500", "0"}) {
+    RunOptions opts;
+    opts.env = {{"CROSSBAR_COLL_START_POLL_US", poll}};
+    runRanks(
+        2,
+        [](RankEnv& env) {
+          auto comm = env.communicator();
+          Collectives coll(comm);
+          const int r = comm->rank();
+          std::vector<int32_t> in(16, r + 1), out(in.size());
+          for (int round = 0; round < 4; ++round) {
+            // Even rounds: after 100 ms without calls (the worker asleep for good); odd ones
+            // right after a blocking call.
+            if (round % 2 == 0)
+              std::this_thread::sleep_for(std::chrono::milliseconds(100));
+            else
+              coll.allreduce(in.data(), out.data(), in.size(), DataType::kInt32, ReduceOp::kSum)->wait();
+            std::fill(out.begin(), out.end(), 0);
+            if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(20));  // rank 0 publishes alone
+            auto w = coll.allreduce(in.data(), out.data(), in.size(), DataType::kInt32, ReduceOp::kSum);
+            if (r == 0) {
+              const Deadline limit = Deadline::after(Millis(20000));
+              while (!w->hasFinished()) {
+                ASSERT_FALSE(limit.expired()) << "round " << round << ": the call never finished";
+                std::this_thread::sleep_for(std::chrono::microseconds(100));
+              }
+            }
+            w->wait();
+            for (int32_t v : out) ASSERT_EQ(v, 3);
+          }
+          comm->destroy();
+        },
+        opts);
+  }
+}
+
 TEST(Collectives, InvalidArguments) {
   runRanks(2, [](RankEnv& env) {
     auto comm = env.communicator();

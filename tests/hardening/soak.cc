@@ -7,14 +7,26 @@
 // every rank without talking. Data is a closed form of (seed, op, rank, index):
 // small integers for reductions, chosen per op and type so every partial result is
 // exact in any order; hashed bytes for data movement (compared bit for bit).
+//
+// Every rank also picks, on its own, how it completes what it issued: it issues 1-8
+// operations before completing them, in issue order, reversed or shuffled, each by
+// wait(), by polling test(), after a sleep, on another thread, or by polling
+// hasFinished() alone (which never runs the call: the worker thread must, and a call
+// still unfinished after --stall-seconds (20 s) is reported). The worker's start-poll period
+// (CROSSBAR_COLL_START_POLL_US: 500, 50 or 0 = a wake-up per issue) is random per round.
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "collectives/algorithms.h"
@@ -183,16 +195,80 @@ struct Options {
   int max_ranks = 6;
   size_t max_count = 1 << 17;
   int ops_per_round = 60;
+  int stall_seconds = 20;  // a call polled with hasFinished() alone must finish within this
 };
 
+// One issued operation: its buffers (kept until it completes), its Work, and the
+// check of its result (run after it completed).
+struct Pending {
+  std::vector<uint8_t> send, recv;
+  WorkPtr work;
+  std::function<void()> check;
+  std::string desc;
+};
+
+// How a rank completes its issued operations (its own choice: ranks must issue the
+// same operations in the same order, but may complete them in any order and way).
+enum class Completion { kWait, kPollTest, kSleepThenWait, kPollFinished, kOtherThread };
+constexpr int kNumCompletions = 5;
+const char* completionName(Completion c) {
+  const char* names[] = {"wait", "poll test()", "sleep then wait", "poll hasFinished()",
+                         "wait on another thread"};
+  return names[static_cast<int>(c)];
+}
+
+// Completes `op` the way `how` says; false when hasFinished() never turned true within
+// `stall` (then it waits, so the round still ends): nonblocking calls nobody waits for
+// must still run (the worker thread looks for them).
+bool complete(Pending& op, Completion how, Rng& rng, std::chrono::seconds stall) {
+  switch (how) {
+    case Completion::kWait:
+      op.work->wait();
+      return true;
+    case Completion::kPollTest:
+      while (!op.work->test()) std::this_thread::yield();
+      return true;
+    case Completion::kSleepThenWait:
+      std::this_thread::sleep_for(std::chrono::microseconds(rng.below(3000)));
+      op.work->wait();
+      return true;
+    case Completion::kPollFinished: {
+      const auto until = std::chrono::steady_clock::now() + stall;
+      bool finished = false;
+      while (!(finished = op.work->hasFinished()) && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      op.work->wait();  // rethrows its error
+      return finished;
+    }
+    case Completion::kOtherThread: {
+      std::exception_ptr err;
+      std::thread t([&] {
+        try {
+          op.work->wait();
+        } catch (...) {
+          err = std::current_exception();
+        }
+      });
+      t.join();
+      if (err) std::rethrow_exception(err);
+      return true;
+    }
+  }
+  return true;
+}
+
 // The ranks of one round. Returns the number of wrong results (0: all good).
+// `depth`: how many operations this rank issues before it completes them (1: each is
+// waited for before the next is issued).
 int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt, uint64_t round_seed,
-            int ranks_per_node, const char* check_mode) {
+            int ranks_per_node, const char* check_mode, const char* start_poll_us) {
   setenv("CROSSBAR_CHECK_CALLS", check_mode, 1);
+  setenv("CROSSBAR_COLL_START_POLL_US", start_poll_us, 1);
   CommOptions co;
   co.ranks_per_node = ranks_per_node;
   co.timeout = Millis(120'000);
   auto comm = Communicator::create(store, rank, size, co);
+  std::vector<std::unique_ptr<Pending>> pending;  // outlives `coll`: buffers of calls in flight
   Collectives coll(comm);
   const int p = size;
   int errors = 0;
@@ -203,8 +279,13 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
                             CollType::kBroadcast, CollType::kReduce,    CollType::kAlltoall,
                             CollType::kAlltoallv, CollType::kGather,    CollType::kScatter,
                             CollType::kBarrier};
-  Rng rng{round_seed};
-  for (int n = 0; n < opt.ops_per_round; ++n) {
+  Rng rng{round_seed};                               // the same on every rank: what is issued
+  Rng mine{mix(round_seed ^ (0x5bd1e995u + rank))};  // this rank's own: how it completes
+  const int depth = 1 + mine.below(8);
+  auto issue = [&](int n) {
+    auto P = std::make_unique<Pending>();
+    std::vector<uint8_t>& send = P->send;
+    std::vector<uint8_t>& recv = P->recv;
     const uint64_t seed = rng.next();
     const CollType kind = kinds[rng.below(10)];
     const bool reduction =
@@ -227,15 +308,15 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
       if (a.coll == kind) names.push_back(a.name);
     if (!names.empty() && rng.below(2)) o.algorithm = names[rng.below(static_cast<int>(names.size()))];
     const size_t es = elementSize(t);
-    const std::string desc =
+    P->desc =
         fmt::format("#{} {} {} x {} {} root {}{} algo '{}' ({} ranks)", n, collTypeName(kind), count,
                     dataTypeName(t), reduceOpName(op), root, in_place ? " in place" : "", o.algorithm, p);
-    std::vector<uint8_t> send, recv;
-    auto fillBytes = [&](std::vector<uint8_t>& b, size_t from, size_t bytes, int who) {
+    const std::string desc = P->desc;
+    auto fillBytes = [seed](std::vector<uint8_t>& b, size_t from, size_t bytes, int who) {
       for (size_t i = 0; i < bytes; ++i) b[from + i] = byteOf(seed, who, i);
     };
-    auto checkBytes = [&](const std::vector<uint8_t>& b, size_t from, size_t bytes, int who,
-                          const std::string& where) {
+    auto checkBytes = [seed, desc, report](const std::vector<uint8_t>& b, size_t from, size_t bytes, int who,
+                                           const std::string& where) mutable {
       for (size_t i = 0; i < bytes; ++i)
         if (b[from + i] != byteOf(seed, who, i)) {
           report(fmt::format("{}: {} byte {} is {}, expected {}", desc, where, i, b[from + i],
@@ -243,7 +324,7 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
           return;
         }
     };
-    auto checkReduced = [&](const void* out, size_t n_elems, size_t first, const std::string& where) {
+    auto checkReduced = [=](const void* out, size_t n_elems, size_t first, const std::string& where) mutable {
       for (size_t i = 0; i < n_elems; ++i) {
         const double want = expected(op, t, seed, p, first + i, premul), got = get(t, out, i);
         if (got != want) {
@@ -252,130 +333,188 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
         }
       }
     };
-    try {
-      switch (kind) {
-        case CollType::kAllreduce: {
-          send.resize(count * es);
-          for (size_t i = 0; i < count; ++i) put(t, send.data(), i, input(op, t, seed, rank, i));
-          recv.resize(count * es);
-          void* out = in_place ? send.data() : recv.data();
-          coll.allreduce(send.data(), out, count, t, op, o)->wait();
-          checkReduced(out, count, 0, "allreduce");
-          break;
-        }
-        case CollType::kReduceScatter: {
-          send.resize(count * p * es);
-          for (size_t i = 0; i < count * p; ++i) put(t, send.data(), i, input(op, t, seed, rank, i));
-          recv.resize(count * es);
-          void* out = in_place ? send.data() + rank * count * es : recv.data();
-          coll.reduceScatter(send.data(), out, count, t, op, o)->wait();
-          checkReduced(out, count, rank * count, "reduce_scatter");
-          break;
-        }
-        case CollType::kReduce: {
-          send.resize(count * es);
-          for (size_t i = 0; i < count; ++i) put(t, send.data(), i, input(op, t, seed, rank, i));
-          recv.resize(count * es);
-          void* out = in_place ? send.data() : recv.data();
-          coll.reduce(send.data(), out, count, t, op, root, o)->wait();
+    Pending& Q = *P;
+    switch (kind) {
+      case CollType::kAllreduce: {
+        send.resize(count * es);
+        for (size_t i = 0; i < count; ++i) put(t, send.data(), i, input(op, t, seed, rank, i));
+        recv.resize(count * es);
+        void* out = in_place ? send.data() : recv.data();
+        Q.work = coll.allreduce(send.data(), out, count, t, op, o);
+        Q.check = [=]() mutable { checkReduced(out, count, 0, "allreduce"); };
+        break;
+      }
+      case CollType::kReduceScatter: {
+        send.resize(count * p * es);
+        for (size_t i = 0; i < count * p; ++i) put(t, send.data(), i, input(op, t, seed, rank, i));
+        recv.resize(count * es);
+        void* out = in_place ? send.data() + rank * count * es : recv.data();
+        Q.work = coll.reduceScatter(send.data(), out, count, t, op, o);
+        Q.check = [=]() mutable { checkReduced(out, count, rank * count, "reduce_scatter"); };
+        break;
+      }
+      case CollType::kReduce: {
+        send.resize(count * es);
+        for (size_t i = 0; i < count; ++i) put(t, send.data(), i, input(op, t, seed, rank, i));
+        recv.resize(count * es);
+        void* out = in_place ? send.data() : recv.data();
+        Q.work = coll.reduce(send.data(), out, count, t, op, root, o);
+        Q.check = [=]() mutable {
           if (rank == root) checkReduced(out, count, 0, "reduce (root)");
-          break;
+        };
+        break;
+      }
+      case CollType::kAllgather: {
+        recv.resize(count * p * es);
+        send.resize(count * es);
+        fillBytes(send, 0, count * es, rank);
+        const void* in = send.data();
+        if (in_place) {
+          fillBytes(recv, rank * count * es, count * es, rank);
+          in = recv.data() + rank * count * es;
         }
-        case CollType::kAllgather: {
-          recv.resize(count * p * es);
-          send.resize(count * es);
-          fillBytes(send, 0, count * es, rank);
-          const void* in = send.data();
-          if (in_place) {
-            fillBytes(recv, rank * count * es, count * es, rank);
-            in = recv.data() + rank * count * es;
-          }
-          coll.allgather(in, recv.data(), count, t, o)->wait();
+        Q.work = coll.allgather(in, recv.data(), count, t, o);
+        Q.check = [=, &Q]() mutable {
           for (int r = 0; r < p; ++r)
-            checkBytes(recv, r * count * es, count * es, r, fmt::format("block {}", r));
-          break;
-        }
-        case CollType::kBroadcast: {
-          send.resize(count * es);
-          if (rank == root)
-            fillBytes(send, 0, count * es, root);
-          else
-            std::memset(send.data(), 0xA5, send.size());
-          coll.broadcast(send.data(), count, t, root, o)->wait();
-          checkBytes(send, 0, count * es, root, "broadcast");
-          break;
-        }
-        case CollType::kAlltoall: {
-          // Block to rank r: byteOf(seed, rank * 64 + r, i).
-          send.resize(count * p * es);
-          recv.resize(count * p * es);
-          for (int r = 0; r < p; ++r) fillBytes(send, r * count * es, count * es, rank * 64 + r);
-          void* out = in_place ? send.data() : recv.data();
-          coll.alltoall(send.data(), out, count, t, o)->wait();
-          const auto& res = in_place ? send : recv;
+            checkBytes(Q.recv, r * count * es, count * es, r, fmt::format("block {}", r));
+        };
+        break;
+      }
+      case CollType::kBroadcast: {
+        send.resize(count * es);
+        if (rank == root)
+          fillBytes(send, 0, count * es, root);
+        else
+          std::memset(send.data(), 0xA5, send.size());
+        Q.work = coll.broadcast(send.data(), count, t, root, o);
+        Q.check = [=, &Q]() mutable { checkBytes(Q.send, 0, count * es, root, "broadcast"); };
+        break;
+      }
+      case CollType::kAlltoall: {
+        // Block to rank r: byteOf(seed, rank * 64 + r, i).
+        send.resize(count * p * es);
+        recv.resize(count * p * es);
+        for (int r = 0; r < p; ++r) fillBytes(send, r * count * es, count * es, rank * 64 + r);
+        void* out = in_place ? send.data() : recv.data();
+        Q.work = coll.alltoall(send.data(), out, count, t, o);
+        Q.check = [=, &Q]() mutable {
+          const auto& res = in_place ? Q.send : Q.recv;
           for (int r = 0; r < p; ++r)
             checkBytes(res, r * count * es, count * es, r * 64 + rank, fmt::format("block from {}", r));
-          break;
+        };
+        break;
+      }
+      case CollType::kAlltoallv: {
+        // Count from s to d: a closed form both sides can compute; blocks packed in order.
+        auto cnt = [&](int s, int d) {
+          return count == 0 ? 0 : static_cast<size_t>(mix(seed + s * 131 + d) % (count + 1));
+        };
+        std::vector<size_t> sc(p), sd(p), rc(p), rd(p);
+        size_t so = 0, ro = 0;
+        for (int r = 0; r < p; ++r) {
+          sc[r] = cnt(rank, r);
+          sd[r] = so;
+          so += sc[r];
+          rc[r] = cnt(r, rank);
+          rd[r] = ro;
+          ro += rc[r];
         }
-        case CollType::kAlltoallv: {
-          // Count from s to d: a closed form both sides can compute; blocks packed in order.
-          auto cnt = [&](int s, int d) {
-            return count == 0 ? 0 : static_cast<size_t>(mix(seed + s * 131 + d) % (count + 1));
-          };
-          std::vector<size_t> sc(p), sd(p), rc(p), rd(p);
-          size_t so = 0, ro = 0;
-          for (int r = 0; r < p; ++r) {
-            sc[r] = cnt(rank, r);
-            sd[r] = so;
-            so += sc[r];
-            rc[r] = cnt(r, rank);
-            rd[r] = ro;
-            ro += rc[r];
-          }
-          send.resize(so * es);
-          recv.resize(ro * es);
-          for (int r = 0; r < p; ++r) fillBytes(send, sd[r] * es, sc[r] * es, rank * 64 + r);
-          coll.alltoallv(send.data(), sc, sd, recv.data(), rc, rd, t, o)->wait();
+        send.resize(so * es);
+        recv.resize(ro * es);
+        for (int r = 0; r < p; ++r) fillBytes(send, sd[r] * es, sc[r] * es, rank * 64 + r);
+        Q.work = coll.alltoallv(send.data(), sc, sd, recv.data(), rc, rd, t, o);
+        Q.check = [=, &Q]() mutable {
           for (int r = 0; r < p; ++r)
-            checkBytes(recv, rd[r] * es, rc[r] * es, r * 64 + rank, fmt::format("block from {}", r));
-          break;
+            checkBytes(Q.recv, rd[r] * es, rc[r] * es, r * 64 + rank, fmt::format("block from {}", r));
+        };
+        break;
+      }
+      case CollType::kGather: {
+        send.resize(count * es);
+        recv.resize(count * p * es);
+        fillBytes(send, 0, count * es, rank);
+        const void* in = send.data();
+        if (in_place && rank == root) {
+          fillBytes(recv, root * count * es, count * es, root);
+          in = recv.data() + root * count * es;
         }
-        case CollType::kGather: {
-          send.resize(count * es);
-          recv.resize(count * p * es);
-          fillBytes(send, 0, count * es, rank);
-          const void* in = send.data();
-          if (in_place && rank == root) {
-            fillBytes(recv, root * count * es, count * es, root);
-            in = recv.data() + root * count * es;
-          }
-          coll.gather(in, recv.data(), count, root, t, o)->wait();
+        Q.work = coll.gather(in, recv.data(), count, root, t, o);
+        Q.check = [=, &Q]() mutable {
           if (rank == root)
             for (int r = 0; r < p; ++r)
-              checkBytes(recv, r * count * es, count * es, r, fmt::format("block {}", r));
-          break;
-        }
-        case CollType::kScatter: {
-          send.resize(count * p * es);
-          recv.resize(count * es);
-          if (rank == root)
-            for (int r = 0; r < p; ++r) fillBytes(send, r * count * es, count * es, 64 + r);
-          void* out = in_place && rank == root ? send.data() + root * count * es : recv.data();
-          coll.scatter(send.data(), out, count, root, t, o)->wait();
+              checkBytes(Q.recv, r * count * es, count * es, r, fmt::format("block {}", r));
+        };
+        break;
+      }
+      case CollType::kScatter: {
+        send.resize(count * p * es);
+        recv.resize(count * es);
+        if (rank == root)
+          for (int r = 0; r < p; ++r) fillBytes(send, r * count * es, count * es, 64 + r);
+        void* out = in_place && rank == root ? send.data() + root * count * es : recv.data();
+        Q.work = coll.scatter(send.data(), out, count, root, t, o);
+        Q.check = [=]() mutable {
           std::vector<uint8_t> got(static_cast<uint8_t*>(out), static_cast<uint8_t*>(out) + count * es);
           checkBytes(got, 0, count * es, 64 + rank, "scatter");
-          break;
-        }
-        case CollType::kBarrier:
-          coll.barrier(o)->wait();
-          break;
-        default:
-          break;
+        };
+        break;
       }
-    } catch (const std::exception& e) {
-      report(fmt::format("{}: error {}", desc, e.what()));
-      break;  // the Collectives is sticky-failed now
+      case CollType::kBarrier:
+        Q.work = coll.barrier(o);
+        Q.check = [] {};
+        break;
+      default:
+        break;
     }
+    return P;
+  };
+  // Completes the issued operations in an order and ways of this rank's own choosing.
+  auto completeAll = [&] {
+    std::vector<size_t> order(pending.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    switch (mine.below(3)) {
+      case 0:
+        break;  // in issue order
+      case 1:
+        std::reverse(order.begin(), order.end());
+        break;
+      default:
+        for (size_t i = order.size(); i > 1; --i)
+          std::swap(order[i - 1], order[mine.below(static_cast<int>(i))]);
+    }
+    for (size_t i : order) {
+      Pending& op = *pending[i];
+      const auto how = depth == 1 && mine.below(2) ? Completion::kWait
+                                                   : static_cast<Completion>(mine.below(kNumCompletions));
+      bool ran = false;
+      try {
+        ran = complete(op, how, mine, std::chrono::seconds(opt.stall_seconds));
+      } catch (const std::exception& e) {
+        throw std::runtime_error(
+            fmt::format("{} (completed by {}): {}", op.desc, completionName(how), e.what()));
+      }
+      if (!ran)
+        report(
+            fmt::format("{}: not finished {} s after it was issued while this rank polled hasFinished() "
+                        "(a call nobody waits for did not run)",
+                        op.desc, opt.stall_seconds));
+      op.check();
+    }
+    pending.clear();
+  };
+  try {
+    for (int n = 0; n < opt.ops_per_round; ++n) {
+      pending.push_back(issue(n));
+      if (static_cast<int>(pending.size()) >= depth) completeAll();
+    }
+    completeAll();
+  } catch (const std::exception& e) {
+    report(fmt::format("error {} (this rank issues {} calls before completing them)", e.what(), depth));
+    // The Collectives is sticky-failed now: finish what is in flight before its buffers go.
+    for (auto& op : pending) try {
+        op->work->wait();
+      } catch (...) {
+      }
   }
   comm->destroy();
   return errors;
@@ -397,9 +536,12 @@ int main(int argc, char** argv) {
       opt.max_count = std::stoull(v);
     else if (k == "--ops")
       opt.ops_per_round = std::stoi(v);
+    else if (k == "--stall-seconds")
+      opt.stall_seconds = std::stoi(v);
     else {
       fmt::print(stderr,
-                 "usage: crossbar-soak [--seconds S] [--seed N] [--max-ranks R] [--max-count C] [--ops K]\n");
+                 "usage: crossbar-soak [--seconds S] [--seed N] [--max-ranks R] [--max-count C] [--ops K] "
+                 "[--stall-seconds T]\n");
       return 2;
     }
   }
@@ -408,6 +550,7 @@ int main(int argc, char** argv) {
   const auto t0 = std::chrono::steady_clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   const char* modes[] = {"cheap", "full", "off"};
+  const char* polls[] = {"500", "50", "0"};  // CROSSBAR_COLL_START_POLL_US
   Rng rng{opt.seed};
   int rounds = 0, failed = 0;
   long ops = 0;
@@ -420,10 +563,11 @@ int main(int argc, char** argv) {
       if (p % d == 0) divisors.push_back(d);
     const int rpn = rng.below(3) == 0 ? divisors[rng.below(static_cast<int>(divisors.size()))] : p;
     const char* mode = modes[rng.below(3)];
+    const char* poll = polls[rng.below(3)];
     auto exits = launchLocalRanks(
         p,
         [&](int rank, int size, std::shared_ptr<Store> store) {
-          return std::min(runRank(rank, size, std::move(store), opt, round_seed, rpn, mode), 100);
+          return std::min(runRank(rank, size, std::move(store), opt, round_seed, rpn, mode, poll), 100);
         },
         LocalLaunchOptions{Millis(600'000)});
     const int rc = combinedExitCode(exits);
@@ -431,9 +575,11 @@ int main(int argc, char** argv) {
     ops += opt.ops_per_round;
     if (rc != 0) ++failed;
     fmt::print(
-        "soak: round {:4} seed {:#018x}: {} ranks, {} per node, check {:5}: {} ({:.0f} s, {} ops so far)\n",
-        rounds, round_seed, p, rpn, mode, rc == 0 ? "ok" : fmt::format("FAILED (exit {})", rc), elapsed(),
-        ops);
+        "soak: round {:4} seed {:#018x}: {} ranks, {} per node, check {:5}, start poll {:>3} us: {} ({:.0f} "
+        "s, "
+        "{} ops so far)\n",
+        rounds, round_seed, p, rpn, mode, poll, rc == 0 ? "ok" : fmt::format("FAILED (exit {})", rc),
+        elapsed(), ops);
     std::fflush(stdout);
   }
   fmt::print(
