@@ -12,8 +12,9 @@
 // operations before completing them, in issue order, reversed or shuffled, each by
 // wait(), by polling test(), after a sleep, on another thread, or by polling
 // hasFinished() alone (which never runs the call: the worker thread must, and a call
-// still unfinished after --stall-seconds (20 s) is reported). The worker's start-poll period
-// (CROSSBAR_COLL_START_POLL_US: 500, 50 or 0 = a wake-up per issue) is random per round.
+// still unfinished after --stall-seconds (20 s) is reported). Now and then calls are
+// grouped (groupStart/groupEnd), some groups with a ring of sends and receives. The worker's start-poll
+// period (CROSSBAR_COLL_START_POLL_US: 500, 50 or 0 = a wake-up per issue) is random per round.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -204,6 +205,7 @@ struct Pending {
   std::vector<uint8_t> send, recv;
   WorkPtr work;
   std::function<void()> check;
+  std::vector<std::unique_ptr<Pending>> parts;  // a group's operations (their Work is the group's)
   std::string desc;
 };
 
@@ -468,6 +470,49 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
     }
     return P;
   };
+  // A ring exchange inside a group: send to the next rank, receive from the previous one.
+  auto issueRing = [&](int n) {
+    auto P = std::make_unique<Pending>();
+    const uint64_t seed = rng.next();
+    const int bits = rng.below(static_cast<int>(std::log2(static_cast<double>(opt.max_count))) + 2);
+    const size_t bytes = bits == 0 ? 0 : (size_t{1} << (bits - 1)) + rng.next() % (size_t{1} << (bits - 1));
+    const int next = (rank + 1) % p, prev = (rank + p - 1) % p;
+    const auto tag = static_cast<uint32_t>(n);
+    P->desc = fmt::format("#{} ring send/recv of {} bytes, tag {} ({} ranks)", n, bytes, tag, p);
+    P->send.resize(bytes);
+    P->recv.assign(bytes, 0xA5);
+    for (size_t i = 0; i < bytes; ++i) P->send[i] = byteOf(seed, rank, i);
+    P->work = coll.send(P->send.data(), bytes, DataType::kUInt8, next, tag);
+    coll.recv(P->recv.data(), bytes, DataType::kUInt8, prev, tag);
+    Pending& Q = *P;
+    P->check = [&Q, seed, prev, bytes, report]() mutable {
+      for (size_t i = 0; i < bytes; ++i)
+        if (Q.recv[i] != byteOf(seed, prev, i)) {
+          report(fmt::format("{}: byte {} from rank {} is {}, expected {}", Q.desc, i, prev, Q.recv[i],
+                             byteOf(seed, prev, i)));
+          return;
+        }
+    };
+    return P;
+  };
+  // One operation, or now and then a group of 1-3 collectives, half of the groups with a
+  // ring exchange (point to point needs a group: lone sends in a ring wait for each other).
+  auto issueNext = [&](int n) {
+    if (rng.below(6) != 0) return issue(n);
+    auto G = std::make_unique<Pending>();
+    coll.groupStart();
+    const int members = 1 + rng.below(3);
+    for (int i = 0; i < members; ++i) G->parts.push_back(issue(n));
+    if (rng.below(2)) G->parts.push_back(issueRing(n));
+    G->work = coll.groupEnd();
+    G->desc = fmt::format("#{} group of {}", n, G->parts.size());
+    for (const auto& part : G->parts) G->desc += ", " + part->desc;
+    Pending& Q = *G;
+    G->check = [&Q] {
+      for (const auto& part : Q.parts) part->check();
+    };
+    return G;
+  };
   // Completes the issued operations in an order and ways of this rank's own choosing.
   auto completeAll = [&] {
     std::vector<size_t> order(pending.size());
@@ -504,7 +549,7 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
   };
   try {
     for (int n = 0; n < opt.ops_per_round; ++n) {
-      pending.push_back(issue(n));
+      pending.push_back(issueNext(n));
       if (static_cast<int>(pending.size()) >= depth) completeAll();
     }
     completeAll();
