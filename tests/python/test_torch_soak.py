@@ -9,7 +9,8 @@ in issue order, reversed or shuffled; each by wait(), by polling is_completed() 
 then() callback, or by short wait(timeout) calls until one succeeds. Inputs are small
 integers, so every sum, min and max is exact in every dtype and reduction order.
 
-SOAK_OPS sets the calls per rank (default 120); SOAK_SEED the shared seed.
+2 and 3 ranks on one node, 4 ranks on two virtual nodes. SOAK_OPS sets the calls per rank
+(default 120); SOAK_SEED the shared seed.
 """
 
 import datetime
@@ -212,6 +213,8 @@ def _soak(rank, world):
     print(f"rank {rank}: {_OPS} calls checked (issued {depth} at a time)")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_random_async_calls_completed_in_random_ways(world):
+@pytest.mark.parametrize("world,ranks_per_node", [(2, 0), (3, 0), (4, 2)])
+def test_random_async_calls_completed_in_random_ways(world, ranks_per_node, monkeypatch):
+    if ranks_per_node:  # virtual nodes: UCX between them, hierarchical algorithms
+        monkeypatch.setenv("CROSSBAR_RANKS_PER_NODE", str(ranks_per_node))
     run_ranks(_soak, world)
