@@ -37,6 +37,8 @@ struct InputSpec {
   bool zero_tokens = false;  // every rank sends nothing
   bool fractional = false;
   int salt = 0;  // another set of values and routes
+  // > 0: each rank sends 0..random_tokens tokens, a function of (rank, salt).
+  size_t random_tokens = 0;
 };
 
 // Ranks per routing group of the generated inputs (node-limited routing, "every node"): the
@@ -48,8 +50,13 @@ inline int routingGroupSize(const Communicator& comm) {
   return g;
 }
 
-// Rank 1 sends nothing; the others different counts.
+// Rank 1 sends nothing; the others different counts (or random counts, random_tokens).
 inline size_t tokensOf(const InputSpec& c, int rank) {
+  if (c.random_tokens > 0 && !c.zero_tokens) {
+    uint64_t h = (static_cast<uint64_t>(rank) << 32) ^ static_cast<uint64_t>(c.salt) * 0x9E3779B97F4A7C15ull;
+    h = (h ^ (h >> 31)) * 0xBF58476D1CE4E5B9ull;
+    return static_cast<size_t>((h ^ (h >> 29)) % (c.random_tokens + 1));
+  }
   return c.zero_tokens || rank == 1 ? 0 : 5 + 3 * static_cast<size_t>(rank);
 }
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <numeric>
+#include <random>
 #include <tuple>
 
 #include "collectives/float_types.h"
@@ -305,6 +306,63 @@ TEST(Moe, UnevenNodes2And2And1) {
 // node, which deals them out (2 -> 6, 5 -> 7) instead of giving both to rank 6.
 TEST(Moe, UnevenNodes3And3And2) {
   runTopology(8, 3);
+}
+
+// Random configurations, the same on every rank (a shared seed; XB_MOE_RANDOM_SEED picks
+// another): hidden size (1 to 1000, partial codec blocks), top-k, experts per rank, 0 to 48
+// tokens per rank, routing (random, node-limited, one expert, every node), payload format,
+// dtype, quantized output or not, chunk size; each checked by runCase against the
+// closed-form reference, its handle reused. XB_MOE_RANDOM_ROUNDS sets the rounds (10).
+void randomBody(RankEnv& env) {
+  auto comm = env.communicator();
+  const int R = comm->size(), me = comm->rank();
+  const int L = testinput::routingGroupSize(*comm), N = R / L;
+  std::vector<int> node_of(R);
+  for (int r = 0; r < R; ++r) node_of[r] = comm->nodeOf(r);
+  const char* seed_env = std::getenv("XB_MOE_RANDOM_SEED");
+  const char* rounds_env = std::getenv("XB_MOE_RANDOM_ROUNDS");
+  std::mt19937_64 rng((seed_env ? std::stoull(seed_env) : 19) * 1000 + static_cast<uint64_t>(R * 10 + L));
+  auto below = [&](size_t n) { return static_cast<size_t>(rng() % n); };
+  const size_t hiddens[] = {1, 8, 40, 128, 200, 264, 1000};
+  const int64_t chunks[] = {0, 1, 3, 16, 128};
+  const int rounds = rounds_env ? std::stoi(rounds_env) : 10;
+  for (int round = 0; round < rounds; ++round) {
+    Case c;
+    c.hidden = hiddens[below(std::size(hiddens))];
+    c.experts_per_rank = 1 + static_cast<int>(below(4));
+    c.topk = 1 + static_cast<int>(below(std::min(8, c.experts_per_rank * R)));
+    c.route = static_cast<Route>(below(4));
+    if (c.route == Route::kEveryNode && N > c.topk) c.route = Route::kNodeLimited;
+    // Node-limited routing picks top-k among the experts of at most max(1, N / 2) groups.
+    if (c.route == Route::kNodeLimited && c.topk > c.experts_per_rank * L * std::max(1, N / 2))
+      c.route = Route::kRandom;
+    c.fractional = below(2);
+    c.salt = round + 1;
+    c.random_tokens = 1 + below(48);
+    MoeConfig cfg;
+    cfg.max_tokens = c.random_tokens + below(8);
+    cfg.hidden = c.hidden;
+    cfg.topk = c.topk;
+    cfg.num_experts = c.experts_per_rank * R;
+    cfg.dtype = below(2) ? DataType::kBFloat16 : DataType::kFloat32;
+    cfg.format = static_cast<PayloadFormat>(below(4));
+    cfg.return_quantized = cfg.format != PayloadFormat::kNative && below(2);
+    cfg.chunk_tokens = chunks[below(std::size(chunks))];
+    SCOPED_TRACE(::testing::Message()
+                 << "round " << round << ": hidden " << c.hidden << " top-" << c.topk << ", "
+                 << c.experts_per_rank << " experts per rank, up to " << c.random_tokens << " tokens, "
+                 << dataTypeName(cfg.dtype) << ", chunk " << cfg.chunk_tokens
+                 << (cfg.return_quantized ? ", quantized out" : ""));
+    auto buf = MoeBuffer::create(comm, cfg);
+    runCase(*buf, c, me, R, L, node_of, cfg.format, cfg.dtype);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST(Moe, RandomConfigurations) {
+  runRanks(3, randomBody);                                // one node
+  runRanks(4, randomBody, testing::withRanksPerNode(2));  // 2 x 2
+  runRanks(3, randomBody, testing::withRanksPerNode(2));  // nodes of 2 and 1
 }
 
 // Who forwards for whom on uneven nodes (moe_plan.h), checked on every rank against the
