@@ -13,12 +13,15 @@
 // wait(), by polling test(), after a sleep, on another thread, or by polling
 // hasFinished() alone (which never runs the call: the worker thread must, and a call
 // still unfinished after --stall-seconds (20 s) is reported). Now and then calls are
-// grouped (groupStart/groupEnd), some groups with a ring of sends and receives. The worker's start-poll
+// grouped (groupStart/groupEnd), some groups with a ring of sends and receives, and a
+// quarter of the rounds run 2-3 threads at once, each on its own duplicate of the
+// communicator with its own Collectives. The worker's start-poll
 // period (CROSSBAR_COLL_START_POLL_US: 500, 50 or 0 = a wake-up per issue) is random per round.
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -259,31 +262,21 @@ bool complete(Pending& op, Completion how, Rng& rng, std::chrono::seconds stall)
   return true;
 }
 
-// The ranks of one round. Returns the number of wrong results (0: all good).
-// `depth`: how many operations this rank issues before it completes them (1: each is
-// waited for before the next is issued).
-int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt, uint64_t round_seed,
-            int ranks_per_node, const char* check_mode, const char* start_poll_us) {
-  setenv("CROSSBAR_CHECK_CALLS", check_mode, 1);
-  setenv("CROSSBAR_COLL_START_POLL_US", start_poll_us, 1);
-  CommOptions co;
-  co.ranks_per_node = ranks_per_node;
-  co.timeout = Millis(120'000);
-  auto comm = Communicator::create(store, rank, size, co);
-  std::vector<std::unique_ptr<Pending>> pending;  // outlives `coll`: buffers of calls in flight
-  Collectives coll(comm);
-  const int p = size;
-  int errors = 0;
-  auto report = [&](const std::string& what) {
-    if (++errors <= 5) fmt::print(stderr, "soak: rank {}: WRONG {}\n", rank, what);
-  };
+// One stream of `ops` operations on `coll`, drawn from `stream_seed` (the same on every
+// rank), completed this rank's own way. Wrong results and errors go to `report`.
+void runStream(Collectives& coll, uint64_t stream_seed, int ops, const Options& opt,
+               const std::function<void(const std::string&)>& report) {
+  const int rank = coll.comm().rank(), p = coll.comm().size();
   const CollType kinds[] = {CollType::kAllreduce, CollType::kAllgather, CollType::kReduceScatter,
                             CollType::kBroadcast, CollType::kReduce,    CollType::kAlltoall,
                             CollType::kAlltoallv, CollType::kGather,    CollType::kScatter,
                             CollType::kBarrier};
-  Rng rng{round_seed};                               // the same on every rank: what is issued
-  Rng mine{mix(round_seed ^ (0x5bd1e995u + rank))};  // this rank's own: how it completes
+  Rng rng{stream_seed};                               // the same on every rank: what is issued
+  Rng mine{mix(stream_seed ^ (0x5bd1e995u + rank))};  // this rank's own: how it completes
+  // How many operations this rank issues before it completes them (1: each is waited for
+  // before the next is issued).
   const int depth = 1 + mine.below(8);
+  std::vector<std::unique_ptr<Pending>> pending;  // the buffers of calls in flight
   auto issue = [&](int n) {
     auto P = std::make_unique<Pending>();
     std::vector<uint8_t>& send = P->send;
@@ -548,7 +541,7 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
     pending.clear();
   };
   try {
-    for (int n = 0; n < opt.ops_per_round; ++n) {
+    for (int n = 0; n < ops; ++n) {
       pending.push_back(issueNext(n));
       if (static_cast<int>(pending.size()) >= depth) completeAll();
     }
@@ -560,6 +553,43 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
         op->work->wait();
       } catch (...) {
       }
+  }
+}
+
+// The ranks of one round. Returns the number of wrong results (0: all good). `streams`
+// > 1: that many duplicates of the communicator, each with its own Collectives driven by
+// its own thread at the same time (as torch does with several process groups).
+int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt, uint64_t round_seed,
+            int ranks_per_node, const char* check_mode, const char* start_poll_us, int streams) {
+  setenv("CROSSBAR_CHECK_CALLS", check_mode, 1);
+  setenv("CROSSBAR_COLL_START_POLL_US", start_poll_us, 1);
+  CommOptions co;
+  co.ranks_per_node = ranks_per_node;
+  co.timeout = Millis(120'000);
+  auto comm = Communicator::create(store, rank, size, co);
+  std::atomic<int> errors{0};
+  auto report = [&](const std::string& what) {
+    if (++errors <= 5) fmt::print(stderr, "soak: rank {}: WRONG {}\n", rank, what);
+  };
+  if (streams <= 1) {
+    Collectives coll(comm);
+    runStream(coll, round_seed, opt.ops_per_round, opt, report);
+  } else {
+    std::vector<std::shared_ptr<Communicator>> dups;
+    std::vector<std::unique_ptr<Collectives>> colls;
+    for (int i = 0; i < streams; ++i) {
+      dups.push_back(comm->dup());
+      colls.push_back(std::make_unique<Collectives>(dups.back()));
+    }
+    std::vector<std::thread> threads;
+    for (int i = 0; i < streams; ++i)
+      threads.emplace_back([&, i] {
+        runStream(*colls[i], mix(round_seed + static_cast<uint64_t>(i) + 1), opt.ops_per_round / streams, opt,
+                  [&, i](const std::string& what) { report(fmt::format("stream {}: {}", i, what)); });
+      });
+    for (auto& t : threads) t.join();
+    colls.clear();
+    for (auto& d : dups) d->destroy();
   }
   comm->destroy();
   return errors;
@@ -609,10 +639,12 @@ int main(int argc, char** argv) {
     const int rpn = rng.below(3) == 0 ? divisors[rng.below(static_cast<int>(divisors.size()))] : p;
     const char* mode = modes[rng.below(3)];
     const char* poll = polls[rng.below(3)];
+    const int streams = rng.below(4) == 0 ? 2 + rng.below(2) : 1;  // threads on duplicates
     auto exits = launchLocalRanks(
         p,
         [&](int rank, int size, std::shared_ptr<Store> store) {
-          return std::min(runRank(rank, size, std::move(store), opt, round_seed, rpn, mode, poll), 100);
+          return std::min(runRank(rank, size, std::move(store), opt, round_seed, rpn, mode, poll, streams),
+                          100);
         },
         LocalLaunchOptions{Millis(600'000)});
     const int rc = combinedExitCode(exits);
@@ -620,10 +652,10 @@ int main(int argc, char** argv) {
     ops += opt.ops_per_round;
     if (rc != 0) ++failed;
     fmt::print(
-        "soak: round {:4} seed {:#018x}: {} ranks, {} per node, check {:5}, start poll {:>3} us: {} ({:.0f} "
-        "s, "
-        "{} ops so far)\n",
-        rounds, round_seed, p, rpn, mode, poll, rc == 0 ? "ok" : fmt::format("FAILED (exit {})", rc),
+        "soak: round {:4} seed {:#018x}: {} ranks, {} per node, check {:5}, start poll {:>3} us, {} "
+        "thread(s): {} "
+        "({:.0f} s, {} ops so far)\n",
+        rounds, round_seed, p, rpn, mode, poll, streams, rc == 0 ? "ok" : fmt::format("FAILED (exit {})", rc),
         elapsed(), ops);
     std::fflush(stdout);
   }
