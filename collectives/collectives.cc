@@ -305,6 +305,12 @@ struct Queue {
     }
   }
 
+  // After an issue left a call queued: wakes the worker if it sleeps for good (not for a
+  // Collectives::setDeferredStart owner, whose own thread waits for every call in time).
+  void wakeWorkerForIssue() {
+    if (!deferred_start) wakeWorker();
+  }
+
   // Queues `w` behind everything issued before it; called with m held. `stamp` false:
   // the caller sets w.enqueued and wakes the worker itself if `w` is still queued after
   // trying to run it (progressEager).
@@ -316,7 +322,7 @@ struct Queue {
     pending.fetch_add(1, std::memory_order_relaxed);
     if (stamp) {
       w->enqueued = Clock::now();
-      if (!deferred_start) wakeWorker();
+      wakeWorkerForIssue();
     }
   }
 
@@ -837,7 +843,7 @@ WorkPtr Collectives::Impl::submit(CollArgs&& a, const CollOptions& o) {
     q->progressEager(lk, w.get(), true);
     if (!w->done) {
       w->enqueued = Clock::now();
-      q->wakeWorker();  // left queued: as in runAlone
+      q->wakeWorkerForIssue();  // left queued: as in runAlone
     }
   }
   return w;
@@ -878,7 +884,7 @@ WorkPtr Collectives::Impl::runAlone(std::shared_ptr<WorkImpl> w, Millis timeout,
   // or else the worker at its next look. A worker that sleeps without a timeout (start
   // poll 0, or no calls for kWorkerRest) is woken for it: a call that nobody waits for
   // but only polls hasFinished() for must still finish.
-  q->wakeWorker();
+  q->wakeWorkerForIssue();
   return w;
 }
 

@@ -803,7 +803,8 @@ void exchangeSymm(const CollArgs& a, RunContext& x, const size_t* scnt, const si
   // The own block is copied once the first round is published, so a late peer's wait
   // overlaps it (and an early peer is not kept waiting for it).
   auto copyOwn = [&] {
-    if (!inplace) std::memcpy(out + rdsp[r] * es, in + sdsp[r] * es, scnt[r] * es);
+    if (!inplace && scnt[r])
+      std::memcpy(out + rdsp[r] * es, in + sdsp[r] * es, scnt[r] * es);  // may be null when empty
   };
   if (rounds == 0) copyOwn();
   // Large outputs are not read again soon: streaming stores skip the read-for-ownership
@@ -856,7 +857,7 @@ void alltoallvSymm(const CollArgs& a, RunContext& x) {
     for (int i = 0; i < x.comm->size(); ++i)
       extent = std::max(extent, (a.send_displs[i] + a.send_counts[i]) * elementSize(a.type));
     char* copy = x.scratch->get(0, extent);
-    std::memcpy(copy, a.send, extent);
+    if (extent) std::memcpy(copy, a.send, extent);
     CollArgs b = a;
     b.send = copy;
     exchangeSymm(b, x, a.send_counts.data(), a.send_displs.data(), a.recv_counts.data(),
@@ -904,12 +905,12 @@ void exchangeCma(const CollArgs& a, RunContext& x, const size_t* scnt, const siz
     size_t extent = 0;
     for (int q = 0; q < p; ++q) extent = std::max(extent, (sdsp[q] + scnt[q]) * es);
     char* copy = x.scratch->get(0, extent);
-    std::memcpy(copy, in, extent);
+    if (extent) std::memcpy(copy, in, extent);
     in = copy;
   }
   for (int q = 0; q < p; ++q)
     if (q != r) s.post(q, in + sdsp[q] * es, scnt[q] * es);
-  if (a.send != a.recv) std::memcpy(out + rdsp[r] * es, in + sdsp[r] * es, scnt[r] * es);
+  if (a.send != a.recv && scnt[r]) std::memcpy(out + rdsp[r] * es, in + sdsp[r] * es, scnt[r] * es);
   for (int i = 1; i < p; ++i) {
     const int q = (r + i) % p;
     s.readPosted(q, out + rdsp[q] * es, rcnt[q] * es, x.deadline, op);

@@ -380,7 +380,7 @@ void runStream(Collectives& coll, uint64_t stream_seed, int ops, const Options& 
         if (rank == root)
           fillBytes(send, 0, count * es, root);
         else
-          std::memset(send.data(), 0xA5, send.size());
+          std::fill(send.begin(), send.end(), uint8_t{0xA5});
         Q.work = coll.broadcast(send.data(), count, t, root, o);
         Q.check = [=, &Q]() mutable { checkBytes(Q.send, 0, count * es, root, "broadcast"); };
         break;
