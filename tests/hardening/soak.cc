@@ -28,6 +28,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -200,6 +201,9 @@ struct Options {
   size_t max_count = 1 << 17;
   int ops_per_round = 60;
   int stall_seconds = 20;  // a call polled with hasFinished() alone must finish within this
+  // --replay "SEED RANKS PER_NODE CHECK POLL THREADS": every round is that round (as a
+  // round's line prints it), to chase a failure that depends on timing.
+  std::string replay;
 };
 
 // One issued operation: its buffers (kept until it completes), its Work, and the
@@ -613,10 +617,12 @@ int main(int argc, char** argv) {
       opt.ops_per_round = std::stoi(v);
     else if (k == "--stall-seconds")
       opt.stall_seconds = std::stoi(v);
+    else if (k == "--replay")
+      opt.replay = v;
     else {
       fmt::print(stderr,
                  "usage: crossbar-soak [--seconds S] [--seed N] [--max-ranks R] [--max-count C] [--ops K] "
-                 "[--stall-seconds T]\n");
+                 "[--stall-seconds T] [--replay 'SEED RANKS PER_NODE CHECK POLL THREADS']\n");
       return 2;
     }
   }
@@ -630,16 +636,34 @@ int main(int argc, char** argv) {
   int rounds = 0, failed = 0;
   long ops = 0;
   while (elapsed() < opt.seconds) {
-    const uint64_t round_seed = rng.next();
-    const int p = 2 + rng.below(opt.max_ranks - 1);
+    uint64_t round_seed = rng.next();
+    int p = 2 + rng.below(opt.max_ranks - 1);
     // Virtual nodes a third of the time (UCX across them, hierarchical algorithms).
     std::vector<int> divisors;
     for (int d = 1; d < p; ++d)
       if (p % d == 0) divisors.push_back(d);
-    const int rpn = rng.below(3) == 0 ? divisors[rng.below(static_cast<int>(divisors.size()))] : p;
+    int rpn = rng.below(3) == 0 ? divisors[rng.below(static_cast<int>(divisors.size()))] : p;
     const char* mode = modes[rng.below(3)];
     const char* poll = polls[rng.below(3)];
-    const int streams = rng.below(4) == 0 ? 2 + rng.below(2) : 1;  // threads on duplicates
+    int streams = rng.below(4) == 0 ? 2 + rng.below(2) : 1;  // threads on duplicates
+    if (!opt.replay.empty()) {
+      std::istringstream in(opt.replay);
+      std::string seed_text, check, start_poll;
+      in >> seed_text >> p >> rpn >> check >> start_poll >> streams;
+      round_seed = std::stoull(seed_text, nullptr, 0);
+      auto m = std::find_if(std::begin(modes), std::end(modes), [&](const char* c) { return check == c; });
+      auto u =
+          std::find_if(std::begin(polls), std::end(polls), [&](const char* c) { return start_poll == c; });
+      if (!in || m == std::end(modes) || u == std::end(polls) || p < 1 || rpn < 1 || streams < 1) {
+        fmt::print(stderr,
+                   "soak: --replay '{}': expected SEED RANKS PER_NODE CHECK(cheap|full|off) "
+                   "POLL(500|50|0) THREADS\n",
+                   opt.replay);
+        return 2;
+      }
+      mode = *m;
+      poll = *u;
+    }
     auto exits = launchLocalRanks(
         p,
         [&](int rank, int size, std::shared_ptr<Store> store) {
