@@ -656,52 +656,55 @@ TEST(Collectives, SendRecvAndGroups) {
   });
 }
 
+// Runs `body` on 2 ranks with the worker's default start poll (500 us) and with a wake
+// per issue (CROSSBAR_COLL_START_POLL_US=0).
+void runWithEachStartPoll(void (*body)(RankEnv&)) {
+  for (const char* poll : {"500", "0"}) {
+    RunOptions opts;
+    opts.env = {{"CROSSBAR_COLL_START_POLL_US", poll}};
+    runRanks(2, body, opts);
+  }
+}
+
 // A nonblocking call that this rank never waits for still runs (the worker thread starts
 // it): after a pause (the worker asleep, woken by the issue), right after other calls (the
 // worker looking every CROSSBAR_COLL_START_POLL_US), and polled with test() (which wakes
 // the worker), with the default and with a wake per issue (0). Rank 1 waits; rank 0 only
 // watches the store or polls test(), so rank 1 finishes only if rank 0's worker ran it.
 TEST(Collectives, CallNobodyWaitsForStillRuns) {
-  for (const char* poll : {"500", "0"}) {
-    RunOptions opts;
-    opts.env = {{"CROSSBAR_COLL_START_POLL_US", poll}};
-    runRanks(
-        2,
-        [](RankEnv& env) {
-          auto comm = env.communicator();
-          Collectives coll(comm);
-          const int r = comm->rank();
-          // Its own store client: the communicator's may be busy (heap set-up).
-          TcpStoreOptions so;
-          so.host = "127.0.0.1";
-          so.port = static_cast<uint16_t>(std::stoi(env.store_addr.substr(env.store_addr.rfind(':') + 1)));
-          TcpStore store(so);
-          std::vector<float> in(65536 / sizeof(float), static_cast<float>(r + 1)), out(in.size());
-          for (int round = 0; round < 6; ++round) {
-            // Rounds 0 and 3: after 100 ms without calls; the others right after a blocking one.
-            if (round % 3 == 0)
-              std::this_thread::sleep_for(std::chrono::milliseconds(100));
-            else
-              coll.allreduce(in.data(), out.data(), in.size(), DataType::kFloat32, ReduceOp::kSum)->wait();
-            std::fill(out.begin(), out.end(), 0.0f);
-            auto w = coll.allreduce(in.data(), out.data(), in.size(), DataType::kFloat32, ReduceOp::kSum);
-            const std::string done = fmt::format("done/{}", round);
-            if (r == 1) {
-              w->wait();
-              store.set(done, Bytes{1});
-            } else if (round % 3 == 2) {
-              const Deadline limit = Deadline::after(Millis(20000));
-              while (!w->test()) ASSERT_FALSE(limit.expired()) << "round " << round;
-            } else {
-              store.wait({done}, Deadline::after(Millis(20000)));  // no wait() or test() here
-            }
-            w->wait();
-            for (float v : out) ASSERT_EQ(v, 3.0f);
-          }
-          comm->destroy();
-        },
-        opts);
-  }
+  runWithEachStartPoll([](RankEnv& env) {
+    auto comm = env.communicator();
+    Collectives coll(comm);
+    const int r = comm->rank();
+    // Its own store client: the communicator's may be busy (heap set-up).
+    TcpStoreOptions so;
+    so.host = "127.0.0.1";
+    so.port = static_cast<uint16_t>(std::stoi(env.store_addr.substr(env.store_addr.rfind(':') + 1)));
+    TcpStore store(so);
+    std::vector<float> in(65536 / sizeof(float), static_cast<float>(r + 1)), out(in.size());
+    for (int round = 0; round < 6; ++round) {
+      // Rounds 0 and 3: after 100 ms without calls; the others right after a blocking one.
+      if (round % 3 == 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      else
+        coll.allreduce(in.data(), out.data(), in.size(), DataType::kFloat32, ReduceOp::kSum)->wait();
+      std::fill(out.begin(), out.end(), 0.0f);
+      auto w = coll.allreduce(in.data(), out.data(), in.size(), DataType::kFloat32, ReduceOp::kSum);
+      const std::string done = fmt::format("done/{}", round);
+      if (r == 1) {
+        w->wait();
+        store.set(done, Bytes{1});
+      } else if (round % 3 == 2) {
+        const Deadline limit = Deadline::after(Millis(20000));
+        while (!w->test()) ASSERT_FALSE(limit.expired()) << "round " << round;
+      } else {
+        store.wait({done}, Deadline::after(Millis(20000)));  // no wait() or test() here
+      }
+      w->wait();
+      for (float v : out) ASSERT_EQ(v, 3.0f);
+    }
+    comm->destroy();
+  });
 }
 
 // A small (eager) call whose peer is late is left queued, published, by its issue; a
@@ -710,40 +713,33 @@ TEST(Collectives, CallNobodyWaitsForStillRuns) {
 // issue). Found by the soak (tests/hardening/soak.cc): such a call waited for this rank's
 // next call, test() or wait(), and a rank polling hasFinished() alone never finished.
 TEST(Collectives, EagerCallPolledWithHasFinishedFinishes) {
-  for (const char* poll : {"500", "0"}) {
-    RunOptions opts;
-    opts.env = {{"CROSSBAR_COLL_START_POLL_US", poll}};
-    runRanks(
-        2,
-        [](RankEnv& env) {
-          auto comm = env.communicator();
-          Collectives coll(comm);
-          const int r = comm->rank();
-          std::vector<int32_t> in(16, r + 1), out(in.size());
-          for (int round = 0; round < 4; ++round) {
-            // Even rounds: after 100 ms without calls (the worker asleep for good); odd ones
-            // right after a blocking call.
-            if (round % 2 == 0)
-              std::this_thread::sleep_for(std::chrono::milliseconds(100));
-            else
-              coll.allreduce(in.data(), out.data(), in.size(), DataType::kInt32, ReduceOp::kSum)->wait();
-            std::fill(out.begin(), out.end(), 0);
-            if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(20));  // rank 0 publishes alone
-            auto w = coll.allreduce(in.data(), out.data(), in.size(), DataType::kInt32, ReduceOp::kSum);
-            if (r == 0) {
-              const Deadline limit = Deadline::after(Millis(20000));
-              while (!w->hasFinished()) {
-                ASSERT_FALSE(limit.expired()) << "round " << round << ": the call never finished";
-                std::this_thread::sleep_for(std::chrono::microseconds(100));
-              }
-            }
-            w->wait();
-            for (int32_t v : out) ASSERT_EQ(v, 3);
-          }
-          comm->destroy();
-        },
-        opts);
-  }
+  runWithEachStartPoll([](RankEnv& env) {
+    auto comm = env.communicator();
+    Collectives coll(comm);
+    const int r = comm->rank();
+    std::vector<int32_t> in(16, r + 1), out(in.size());
+    for (int round = 0; round < 4; ++round) {
+      // Even rounds: after 100 ms without calls (the worker asleep for good); odd ones
+      // right after a blocking call.
+      if (round % 2 == 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      else
+        coll.allreduce(in.data(), out.data(), in.size(), DataType::kInt32, ReduceOp::kSum)->wait();
+      std::fill(out.begin(), out.end(), 0);
+      if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(20));  // rank 0 publishes alone
+      auto w = coll.allreduce(in.data(), out.data(), in.size(), DataType::kInt32, ReduceOp::kSum);
+      if (r == 0) {
+        const Deadline limit = Deadline::after(Millis(20000));
+        while (!w->hasFinished()) {
+          ASSERT_FALSE(limit.expired()) << "round " << round << ": the call never finished";
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+      }
+      w->wait();
+      for (int32_t v : out) ASSERT_EQ(v, 3);
+    }
+    comm->destroy();
+  });
 }
 
 TEST(Collectives, InvalidArguments) {
