@@ -289,6 +289,11 @@ struct Queue {
   std::atomic<bool> failed{false};
   int rank = -1;
   std::shared_ptr<const Shared> shared;  // set before the worker starts
+  // For state(): what executes, since when, on which thread.
+  const WorkImpl* running = nullptr;
+  Clock::time_point running_since{};
+  bool running_on_worker = false;
+  std::thread::id worker_id;
 
   bool canRunHead() const { return !executing && !items.empty(); }
   // When the worker may claim the runnable head (waiting threads go first).
@@ -345,8 +350,17 @@ struct Queue {
     noteError(w, err);
     pending.fetch_sub(1, std::memory_order_release);
     executing = false;
+    running = nullptr;
     cv.notify_all();
   }
+
+  void noteRunning(const WorkImpl* w) {
+    running = w;
+    running_since = Clock::now();
+    running_on_worker = std::this_thread::get_id() == worker_id;
+  }
+
+  std::string state(const std::string& name);
 
   // Publishes the eager slots of `first` (when not null) and of the eager calls queued
   // right behind it, as far as their slots are free (m held, by the thread that is
@@ -383,6 +397,7 @@ struct Queue {
     items.pop_front();
     executing = true;
     w->started = true;
+    noteRunning(w.get());
     std::exception_ptr first = sticky;
     std::string first_op = first ? sticky_op : std::string();
     if (!telemetry::Recorder::instance().enabled()) publishAhead(w.get());
@@ -420,6 +435,7 @@ struct Queue {
       items.pop_front();
       executing = true;
       w->started = true;
+      noteRunning(w.get());
       lk.unlock();
       std::exception_ptr err;
       bool finished = true;
@@ -438,6 +454,7 @@ struct Queue {
         items.push_front(std::move(w));
         publishAhead(nullptr);
         executing = false;
+        running = nullptr;
         cv.notify_all();  // a waiting thread may run it now
         return;
       }
@@ -449,6 +466,7 @@ struct Queue {
   // The worker thread's loop: runs heads nobody else runs, until stopped and drained.
   void workerLoop() {
     std::unique_lock<std::mutex> lk(m);
+    worker_id = std::this_thread::get_id();
     uint64_t pushes_seen = pushes;
     Clock::time_point last_push_seen = Clock::now();
     while (true) {
@@ -485,6 +503,41 @@ struct Queue {
     }
   }
 };
+
+// A line for hang reports (m held): what executes, on which thread and since when, what
+// is queued, and what the worker does.
+std::string Queue::state(const std::string& name) {
+  const Clock::time_point now = Clock::now();
+  auto ago = [&](Clock::time_point t) {
+    return fmt::format("{:.3f} s ago", std::chrono::duration<double>(now - t).count());
+  };
+  std::string s =
+      fmt::format("rank {} {}: {} unfinished; ", rank, name, pending.load(std::memory_order_relaxed));
+  if (running)
+    s += fmt::format("executing {} on {} since {}", running->description(),
+                     running_on_worker ? "the worker" : "a calling thread", ago(running_since));
+  else
+    s += "nothing executing";
+  s += fmt::format("; {} queued", items.size());
+  const size_t shown = std::min<size_t>(items.size(), 4);
+  for (size_t i = 0; i < shown; ++i) {
+    const WorkImpl& w = *items[i];
+    s += fmt::format("{}{}{} (left queued {})", i ? ", " : ": ", w.description(),
+                     w.eager_published ? " [published]" : "", ago(w.enqueued));
+  }
+  if (shown < items.size()) s += fmt::format(", ... {} more", items.size() - shown);
+  const char* worker = running && running_on_worker ? "executing"
+                       : worker_idle                ? "asleep until an issue wakes it"
+                       : worker_looking             ? "looking now and then"
+                       : canRunHead()               ? "waiting to claim the head"
+                                                    : "waiting while another thread executes";
+  s += fmt::format("; worker {}; {} waiting thread(s) will run the head; start poll {} us{}", worker, helpers,
+                   std::chrono::duration_cast<std::chrono::microseconds>(start_poll).count(),
+                   deferred_start ? " (deferred start)" : "");
+  if (last_end != Clock::time_point{}) s += fmt::format("; last call finished {}", ago(last_end));
+  if (sticky) s += fmt::format("; failed at {}", sticky_op);
+  return s;
+}
 
 bool WorkImpl::test() {
   if (finished.load(std::memory_order_acquire)) {
@@ -1019,6 +1072,11 @@ WorkPtr Collectives::recv(void* data, size_t count, DataType type, int peer, uin
   a.peer = peer;
   a.tag = tag;
   return impl_->submit(std::move(a), o);
+}
+
+std::string Collectives::state() const {
+  std::lock_guard<std::mutex> lk(impl_->q->m);
+  return impl_->q->state(comm_->name());
 }
 
 void Collectives::setDeferredStart(bool on) {

@@ -101,6 +101,12 @@ class Collectives {
   // wakes the worker as before.
   void setDeferredStart(bool on);
 
+  // One line for hang reports: what executes (on the worker or a calling thread, since
+  // when), what is queued (published eager slots marked), what the worker does, how many
+  // threads wait to run the head. "rank 2 world.dup1: 1 unfinished; nothing executing;
+  // 1 queued: reduce_scatter ... (left queued 20.001 s ago); worker asleep until ..."
+  std::string state() const;
+
  private:
   struct Impl;
   std::shared_ptr<Communicator> comm_;

@@ -742,6 +742,48 @@ TEST(Collectives, EagerCallPolledWithHasFinishedFinishes) {
   });
 }
 
+// state() (for hang reports) names what executes and on which thread, and what waits.
+TEST(Collectives, StateNamesExecutingAndQueuedCalls) {
+  runRanks(2, [](RankEnv& env) {
+    auto comm = env.communicator();
+    Collectives coll(comm);
+    const int r = comm->rank();
+    std::vector<float> in(1 << 18, 1.0f), out(in.size());  // 1 MiB: not eager
+    auto contains = [](const std::string& s, const char* what) { return s.find(what) != std::string::npos; };
+    // A call nobody waits for, its peer late (rank 1 issues once rank 0 looked): the
+    // worker executes it.
+    if (r == 1) env.store->wait({"looked"}, Deadline::after(Millis(60000)));
+    auto w = coll.allreduce(in.data(), out.data(), in.size(), DataType::kFloat32, ReduceOp::kSum);
+    if (r == 0) {
+      std::string s = coll.state();
+      for (const Deadline limit = Deadline::after(Millis(20000));
+           !contains(s, "on the worker") && !limit.expired(); s = coll.state())
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      EXPECT_TRUE(contains(s, "rank 0 ")) << s;
+      EXPECT_TRUE(contains(s, "1 unfinished; executing allreduce")) << s;
+      EXPECT_TRUE(contains(s, "on the worker since")) << s;
+      EXPECT_TRUE(contains(s, "worker executing")) << s;
+      env.store->add("looked", 1);
+    }
+    w->wait();
+    EXPECT_TRUE(contains(coll.state(), "0 unfinished; nothing executing; 0 queued")) << coll.state();
+    // Deferred start: once the worker sleeps (it was looking for calls until now), a call
+    // stays queued until this rank waits for it.
+    coll.setDeferredStart(true);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    auto q = coll.allreduce(in.data(), out.data(), in.size(), DataType::kFloat32, ReduceOp::kSum);
+    if (r == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      const std::string s = coll.state();
+      EXPECT_TRUE(contains(s, "nothing executing; 1 queued: allreduce")) << s;
+      EXPECT_TRUE(contains(s, "(deferred start)")) << s;
+    }
+    q->wait();
+    for (float v : out) ASSERT_EQ(v, 2.0f);
+    comm->destroy();
+  });
+}
+
 TEST(Collectives, InvalidArguments) {
   runRanks(2, [](RankEnv& env) {
     auto comm = env.communicator();

@@ -24,10 +24,12 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -269,6 +271,58 @@ bool complete(Pending& op, Completion how, Rng& rng, std::chrono::seconds stall)
   }
   return true;
 }
+
+// Stall watch (per rank process): when none of this rank's streams completed a call for
+// half the stall bound, every rank prints its queues' state once (Collectives::state()),
+// so a stall report shows the ranks holding the call up, not only the one polling it.
+std::atomic<int64_t> g_last_completion_ns{0};
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+void noteCompletion() {
+  g_last_completion_ns.store(nowNs(), std::memory_order_relaxed);
+}
+
+class StallWatch {
+ public:
+  StallWatch(std::vector<const Collectives*> colls, int rank, std::chrono::seconds after)
+      : colls_(std::move(colls)), rank_(rank), after_(after) {
+    noteCompletion();
+    thread_ = std::thread([this] { run(); });
+  }
+  ~StallWatch() {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  void run() {
+    int64_t reported_for = -1;  // the last completion already reported as stalled
+    std::unique_lock<std::mutex> lk(m_);
+    while (!cv_.wait_for(lk, std::chrono::milliseconds(200), [&] { return stop_; })) {
+      const int64_t last = g_last_completion_ns.load(std::memory_order_relaxed);
+      if (last == reported_for || nowNs() - last < std::chrono::nanoseconds(after_).count()) continue;
+      reported_for = last;
+      std::string lines;
+      for (const Collectives* c : colls_) lines += fmt::format("soak:   {}\n", c->state());
+      fmt::print(stderr, "soak: rank {}: no call completed for {} s; queues:\n{}", rank_, after_.count(),
+                 lines);
+    }
+  }
+  std::vector<const Collectives*> colls_;
+  int rank_;
+  std::chrono::seconds after_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
 
 // One stream of `ops` operations on `coll`, drawn from `stream_seed` (the same on every
 // rank), completed this rank's own way. Wrong results and errors go to `report`.
@@ -545,6 +599,7 @@ void runStream(Collectives& coll, uint64_t stream_seed, int ops, const Options& 
                         "(a call nobody waits for did not run)",
                         op.desc, opt.stall_seconds));
       op.check();
+      noteCompletion();
     }
     pending.clear();
   };
@@ -579,8 +634,10 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
   auto report = [&](const std::string& what) {
     if (++errors <= 5) fmt::print(stderr, "soak: rank {}: WRONG {}\n", rank, what);
   };
+  const auto watch_after = std::chrono::seconds(std::max(opt.stall_seconds / 2, 1));
   if (streams <= 1) {
     Collectives coll(comm);
+    StallWatch watch({&coll}, rank, watch_after);
     runStream(coll, round_seed, opt.ops_per_round, opt, report);
   } else {
     std::vector<std::shared_ptr<Communicator>> dups;
@@ -589,13 +646,18 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
       dups.push_back(comm->dup());
       colls.push_back(std::make_unique<Collectives>(dups.back()));
     }
-    std::vector<std::thread> threads;
-    for (int i = 0; i < streams; ++i)
-      threads.emplace_back([&, i] {
-        runStream(*colls[i], mix(round_seed + static_cast<uint64_t>(i) + 1), opt.ops_per_round / streams, opt,
-                  [&, i](const std::string& what) { report(fmt::format("stream {}: {}", i, what)); });
-      });
-    for (auto& t : threads) t.join();
+    {
+      std::vector<const Collectives*> watched;
+      for (auto& c : colls) watched.push_back(c.get());
+      StallWatch watch(watched, rank, watch_after);  // stops before the Collectives go
+      std::vector<std::thread> threads;
+      for (int i = 0; i < streams; ++i)
+        threads.emplace_back([&, i] {
+          runStream(*colls[i], mix(round_seed + static_cast<uint64_t>(i) + 1), opt.ops_per_round / streams,
+                    opt, [&, i](const std::string& what) { report(fmt::format("stream {}: {}", i, what)); });
+        });
+      for (auto& t : threads) t.join();
+    }
     colls.clear();
     for (auto& d : dups) d->destroy();
   }
