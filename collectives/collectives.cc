@@ -360,7 +360,7 @@ struct Queue {
     running_on_worker = std::this_thread::get_id() == worker_id;
   }
 
-  std::string state(const std::string& name);
+  std::string state() const;
 
   // Publishes the eager slots of `first` (when not null) and of the eager calls queued
   // right behind it, as far as their slots are free (m held, by the thread that is
@@ -506,13 +506,14 @@ struct Queue {
 
 // A line for hang reports (m held): what executes, on which thread and since when, what
 // is queued, and what the worker does.
-std::string Queue::state(const std::string& name) {
+std::string Queue::state() const {
   const Clock::time_point now = Clock::now();
   auto ago = [&](Clock::time_point t) {
     return fmt::format("{:.3f} s ago", std::chrono::duration<double>(now - t).count());
   };
   std::string s =
-      fmt::format("rank {} {}: {} unfinished; ", rank, name, pending.load(std::memory_order_relaxed));
+      fmt::format("rank {} {}: {} unfinished; ", rank, shared ? shared->comm->name() : "(destroyed)",
+                  pending.load(std::memory_order_relaxed));
   if (running)
     s += fmt::format("executing {} on {} since {}", running->description(),
                      running_on_worker ? "the worker" : "a calling thread", ago(running_since));
@@ -591,11 +592,11 @@ void WorkImpl::wait(Deadline deadline) {
       continue;
     }
     if (now >= deadline.at()) {
-      throw Timeout(
-          fmt::format("{}{} did not finish before the wait's deadline ({}); it may be waiting for a "
-                      "slow or hung peer, or for earlier operations. Wait longer or raise the timeout",
-                      errorContext(q_->rank, "wait"), description(),
-                      started ? "it is running" : "it is still queued behind earlier operations"));
+      throw Timeout(fmt::format(
+          "{}{} did not finish before the wait's deadline ({}); it may be waiting for a "
+          "slow or hung peer, or for earlier operations. Wait longer or raise the timeout. Queue: {}",
+          errorContext(q_->rank, "wait"), description(),
+          started ? "it is running" : "it is still queued behind earlier operations", q_->state()));
     }
     // While the head is one this wait may run, the worker leaves it to this thread.
     const bool helper = q_->items.empty() || now + q_->items.front()->timeout <= deadline.at();
@@ -1076,7 +1077,7 @@ WorkPtr Collectives::recv(void* data, size_t count, DataType type, int peer, uin
 
 std::string Collectives::state() const {
   std::lock_guard<std::mutex> lk(impl_->q->m);
-  return impl_->q->state(comm_->name());
+  return impl_->q->state();
 }
 
 void Collectives::setDeferredStart(bool on) {

@@ -763,6 +763,9 @@ TEST(Collectives, StateNamesExecutingAndQueuedCalls) {
       EXPECT_TRUE(contains(s, "1 unfinished; executing allreduce")) << s;
       EXPECT_TRUE(contains(s, "on the worker since")) << s;
       EXPECT_TRUE(contains(s, "worker executing")) << s;
+      // A wait that times out says the same.
+      expectThrows([&] { w->wait(Deadline::after(Millis(10))); }, ErrorCode::kTimeout,
+                   "Queue: rank 0 world: 1 unfinished; executing allreduce");
       env.store->add("looked", 1);
     }
     w->wait();
