@@ -14,9 +14,11 @@
 // hasFinished() alone (which never runs the call: the worker thread must, and a call
 // still unfinished after --stall-seconds (20 s) is reported). Now and then calls are
 // grouped (groupStart/groupEnd), some groups with a ring of sends and receives, and a
-// quarter of the one-node rounds (all rounds with --node-threads 1) run 2-3 threads at
-// once, each on its own duplicate of the communicator with its own Collectives. The worker's start-poll
-// period (CROSSBAR_COLL_START_POLL_US: 500, 50 or 0 = a wake-up per issue) is random per round.
+// quarter of the one-node rounds run 2-3 threads at once, each on its own duplicate of
+// the communicator with its own Collectives (--node-threads 1: a quarter of all rounds;
+// 2: every round, each on several virtual nodes). The worker's start-poll period
+// (CROSSBAR_COLL_START_POLL_US: 500, 50 or 0 = a wake-up per issue) is random per round.
+// When no call completed for half the stall bound, every rank prints its queues' state.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -209,7 +211,9 @@ struct Options {
   // Threads on duplicates also in rounds of several (virtual) nodes. Off by default: there
   // a call polled with hasFinished() alone was seen unfinished for 20 s in about 1 of 130
   // such rounds (session 19, docs/reliability.md; not yet explained).
-  bool node_threads = false;
+  // Threads on duplicates in rounds with several virtual nodes: 0 never, 1 as in
+  // one-node rounds, 2 every round (several nodes, 2-3 threads: to chase what only they do).
+  int node_threads = 0;
 };
 
 // One issued operation: its buffers (kept until it completes), its Work, and the
@@ -686,12 +690,12 @@ int main(int argc, char** argv) {
     else if (k == "--replay")
       opt.replay = v;
     else if (k == "--node-threads")
-      opt.node_threads = v == "1";
+      opt.node_threads = std::stoi(v);
     else {
       fmt::print(
           stderr,
           "usage: crossbar-soak [--seconds S] [--seed N] [--max-ranks R] [--max-count C] [--ops K] "
-          "[--stall-seconds T] [--replay 'SEED RANKS PER_NODE CHECK POLL THREADS'] [--node-threads 0|1]\n");
+          "[--stall-seconds T] [--replay 'SEED RANKS PER_NODE CHECK POLL THREADS'] [--node-threads 0|1|2]\n");
       return 2;
     }
   }
@@ -711,11 +715,13 @@ int main(int argc, char** argv) {
     std::vector<int> divisors;
     for (int d = 1; d < p; ++d)
       if (p % d == 0) divisors.push_back(d);
-    int rpn = rng.below(3) == 0 ? divisors[rng.below(static_cast<int>(divisors.size()))] : p;
+    int rpn = rng.below(3) == 0 || opt.node_threads == 2
+                  ? divisors[rng.below(static_cast<int>(divisors.size()))]
+                  : p;
     const char* mode = modes[rng.below(3)];
     const char* poll = polls[rng.below(3)];
-    int streams = rng.below(4) == 0 ? 2 + rng.below(2) : 1;  // threads on duplicates
-    if (rpn < p && !opt.node_threads) streams = 1;
+    int streams = rng.below(4) == 0 || opt.node_threads == 2 ? 2 + rng.below(2) : 1;  // threads on duplicates
+    if (rpn < p && opt.node_threads == 0) streams = 1;
     if (!opt.replay.empty()) {
       std::istringstream in(opt.replay);
       std::string seed_text, check, start_poll;
