@@ -204,7 +204,9 @@ struct Options {
   int max_ranks = 6;
   size_t max_count = 1 << 17;
   int ops_per_round = 60;
-  int stall_seconds = 20;  // a call polled with hasFinished() alone must finish within this
+  int stall_seconds = 20;
+  std::string stall_stacks;  // a folder: the stall watch writes each rank's thread stacks there (gdb)  // a
+                             // call polled with hasFinished() alone must finish within this
   // --replay "SEED RANKS PER_NODE CHECK POLL THREADS": every round is that round (as a
   // round's line prints it), to chase a failure that depends on timing.
   std::string replay;
@@ -291,8 +293,9 @@ void noteCompletion() {
 
 class StallWatch {
  public:
-  StallWatch(std::vector<const Collectives*> colls, int rank, std::chrono::seconds after)
-      : colls_(std::move(colls)), rank_(rank), after_(after) {
+  StallWatch(std::vector<const Collectives*> colls, int rank, std::chrono::seconds after,
+             std::string stacks_dir)
+      : colls_(std::move(colls)), rank_(rank), after_(after), stacks_dir_(std::move(stacks_dir)) {
     noteCompletion();
     thread_ = std::thread([this] { run(); });
   }
@@ -317,11 +320,20 @@ class StallWatch {
       for (const Collectives* c : colls_) lines += fmt::format("soak:   {}\n", c->state());
       fmt::print(stderr, "soak: rank {}: no call completed for {} s; queues:\n{}", rank_, after_.count(),
                  lines);
+      if (!stacks_dir_.empty()) {
+        // Every thread's stack, from gdb attached to this process (it stops us meanwhile).
+        const std::string file = fmt::format("{}/rank{}-pid{}.txt", stacks_dir_, rank_, getpid());
+        const std::string cmd = fmt::format(
+            "gdb -p {} -batch -ex 'set pagination off' -ex 'thread apply all bt' > {} 2>&1", getpid(), file);
+        const int rc = std::system(cmd.c_str());
+        fmt::print(stderr, "soak: rank {}: thread stacks in {} (gdb exit {})\n", rank_, file, rc);
+      }
     }
   }
   std::vector<const Collectives*> colls_;
   int rank_;
   std::chrono::seconds after_;
+  std::string stacks_dir_;
   std::mutex m_;
   std::condition_variable cv_;
   bool stop_ = false;
@@ -641,7 +653,7 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
   const auto watch_after = std::chrono::seconds(std::max(opt.stall_seconds / 2, 1));
   if (streams <= 1) {
     Collectives coll(comm);
-    StallWatch watch({&coll}, rank, watch_after);
+    StallWatch watch({&coll}, rank, watch_after, opt.stall_stacks);
     runStream(coll, round_seed, opt.ops_per_round, opt, report);
   } else {
     std::vector<std::shared_ptr<Communicator>> dups;
@@ -653,7 +665,7 @@ int runRank(int rank, int size, std::shared_ptr<Store> store, const Options& opt
     {
       std::vector<const Collectives*> watched;
       for (auto& c : colls) watched.push_back(c.get());
-      StallWatch watch(watched, rank, watch_after);  // stops before the Collectives go
+      StallWatch watch(watched, rank, watch_after, opt.stall_stacks);  // stops before the Collectives go
       std::vector<std::thread> threads;
       for (int i = 0; i < streams; ++i)
         threads.emplace_back([&, i] {
@@ -687,15 +699,17 @@ int main(int argc, char** argv) {
       opt.ops_per_round = std::stoi(v);
     else if (k == "--stall-seconds")
       opt.stall_seconds = std::stoi(v);
+    else if (k == "--stall-stacks")
+      opt.stall_stacks = v;
     else if (k == "--replay")
       opt.replay = v;
     else if (k == "--node-threads")
       opt.node_threads = std::stoi(v);
     else {
-      fmt::print(
-          stderr,
-          "usage: crossbar-soak [--seconds S] [--seed N] [--max-ranks R] [--max-count C] [--ops K] "
-          "[--stall-seconds T] [--replay 'SEED RANKS PER_NODE CHECK POLL THREADS'] [--node-threads 0|1|2]\n");
+      fmt::print(stderr,
+                 "usage: crossbar-soak [--seconds S] [--seed N] [--max-ranks R] [--max-count C] [--ops K] "
+                 "[--stall-seconds T] [--stall-stacks DIR] [--replay 'SEED RANKS PER_NODE CHECK POLL "
+                 "THREADS'] [--node-threads 0|1|2]\n");
       return 2;
     }
   }
