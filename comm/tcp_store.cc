@@ -28,12 +28,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
 #include <future>
 #include <mutex>
 #include <optional>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "comm/auth.h"
 #include "comm/errors.h"
@@ -917,39 +919,107 @@ struct ReplyTimeout {};
 
 }  // namespace
 
+namespace {
+// One connection to the server. Its requests go one at a time: a blocking get or wait
+// holds it until the server answers.
+struct StoreConn {
+  int fd = -1;
+  std::string in;  // bytes received and not yet parsed
+  StoreConn() = default;
+  StoreConn(const StoreConn&) = delete;
+  StoreConn& operator=(const StoreConn&) = delete;
+  ~StoreConn() { close(); }
+  void close() {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+    in.clear();
+  }
+};
+}  // namespace
+
 struct TcpStore::Impl {
+  // Connections: one per thread that uses the store at the same time, so one thread's
+  // blocking get never holds up another's request (threads on several communicators
+  // splitting at once waited on each other across processes, each one's request queued
+  // behind another one's get: seconds of stall, docs/reliability.md). Gets and waits
+  // (parked by the server until their keys are set) share at most kMaxConnections; a
+  // request that the server answers at once never waits for one (the sets a parked get
+  // waits for must not queue behind it), and a connection released beyond the limit closes.
+  static constexpr int kMaxConnections = 16;
+
   TcpStoreOptions options;
   std::string secret;  // empty: no authentication
   std::unique_ptr<TcpStoreServer> server;
   std::string host;  // where the client connects
   uint16_t port = 0;
   std::string addr;
-  std::mutex mu;
-  int fd = -1;
-  pid_t pid = 0;
-  std::string in;
-
-  ~Impl() { closeFd(); }
-
-  void closeFd() {
-    if (fd >= 0) ::close(fd);
-    fd = -1;
-    in.clear();
-  }
+  std::mutex mu;  // guards the pool below
+  std::condition_variable idle_cv;
+  std::vector<std::unique_ptr<StoreConn>> idle;  // connected, not in use (most recent last)
+  int open = 0;                                  // connections of this process, idle or in use
+  pid_t pid = 0;                                 // the process the pool belongs to
 
   std::string context(std::string_view op) const { return errorContext(-1, fmt::format("store {}", op)); }
 
-  void sendAll(const std::string& buf, Deadline deadline) {
+  // A connection for one request: an idle one, else a new (unconnected) one, else (a
+  // parked request at kMaxConnections) the next one released. Back with release().
+  std::unique_ptr<StoreConn> acquire(std::string_view op, Deadline deadline, bool parks) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (pid != getpid()) {  // a forked child needs its own connections
+      idle.clear();
+      open = 0;
+      pid = getpid();
+    }
+    while (parks && idle.empty() && open >= kMaxConnections) {
+      if (deadline.expired())
+        throw Timeout(fmt::format("{}all {} connections to the store at {} stayed busy until the deadline",
+                                  context(op), kMaxConnections, addr));
+      idle_cv.wait_for(lock, std::min<Millis>(deadline.remaining(), Millis(100)));
+    }
+    if (!idle.empty()) {
+      std::unique_ptr<StoreConn> c = std::move(idle.back());
+      idle.pop_back();
+      return c;
+    }
+    ++open;
+    return std::make_unique<StoreConn>();
+  }
+
+  // Returns `c` to the pool (a closed one is dropped).
+  void release(std::unique_ptr<StoreConn> c) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (pid != getpid()) return;  // leased before a fork: not this process's
+      if (c->fd >= 0 && open <= kMaxConnections)
+        idle.push_back(std::move(c));
+      else
+        --open;
+    }
+    idle_cv.notify_one();
+  }
+
+  // Holds a leased connection for the length of one request.
+  struct Lease {
+    Impl& impl;
+    std::unique_ptr<StoreConn> c;
+    Lease(Impl& i, std::string_view op, Deadline deadline, bool parks)
+        : impl(i), c(i.acquire(op, deadline, parks)) {}
+    ~Lease() { impl.release(std::move(c)); }
+    StoreConn* operator->() const { return c.get(); }
+    StoreConn& operator*() const { return *c; }
+  };
+
+  void sendAll(StoreConn& c, const std::string& buf, Deadline deadline) {
     size_t off = 0;
     while (off < buf.size()) {
-      ssize_t n = ::send(fd, buf.data() + off, buf.size() - off, MSG_NOSIGNAL);
+      ssize_t n = ::send(c.fd, buf.data() + off, buf.size() - off, MSG_NOSIGNAL);
       if (n > 0) {
         off += n;
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        pollfd p{fd, POLLOUT, 0};
+        pollfd p{c.fd, POLLOUT, 0};
         int rc = ::poll(&p, 1, pollTimeoutMs(deadline.at()));
         if (rc == 0 && deadline.expired()) throw ReplyTimeout{};
         continue;
@@ -958,58 +1028,59 @@ struct TcpStore::Impl {
     }
   }
 
-  // Reads more bytes into `in`, waiting until `deadline`.
-  void recvSome(Deadline deadline) {
+  // Reads more bytes into `c.in`, waiting until `deadline`.
+  void recvSome(StoreConn& c, Deadline deadline) {
     for (;;) {
       char buf[kReadChunk];
-      ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+      ssize_t n = ::recv(c.fd, buf, sizeof(buf), 0);
       if (n > 0) {
-        in.append(buf, n);
+        c.in.append(buf, n);
         return;
       }
       if (n == 0) throw ConnectionLost{0};
       if (errno == EINTR) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK) throw ConnectionLost{errno};
       if (deadline.expired()) throw ReplyTimeout{};
-      pollfd p{fd, POLLIN, 0};
+      pollfd p{c.fd, POLLIN, 0};
       ::poll(&p, 1, pollTimeoutMs(deadline.at()));
     }
   }
 
-  Frame recvFrame(Deadline deadline) {
+  Frame recvFrame(StoreConn& c, Deadline deadline) {
     for (;;) {
       Frame f;
       size_t used = 0;
       std::string error;
-      Parse r = parseFrame(in.data(), in.size(), f, used, error, checkReplyHeader, checkReplyArg);
+      Parse r = parseFrame(c.in.data(), c.in.size(), f, used, error, checkReplyHeader, checkReplyArg);
       if (r == Parse::kDone) {
-        in.erase(0, used);
+        c.in.erase(0, used);
         return f;
       }
-      if (r == Parse::kIncomplete && used > in.capacity()) in.reserve(used);
+      if (r == Parse::kIncomplete && used > c.in.capacity()) c.in.reserve(used);
       if (r == Parse::kReject) {
-        closeFd();
+        c.close();
         throw SystemError(
             fmt::format("{}the store at {} sent a {}; is it a crossbar store of the same version?",
                         context("reply"), addr, error));
       }
-      recvSome(deadline);
+      recvSome(c, deadline);
     }
   }
 
-  // One connection attempt to one address, handshake included. Returns an fd, or -1
-  // with `err` set when worth retrying; throws when retrying cannot help.
-  int tryConnect(const addrinfo* a, Deadline deadline, int& err) {
+  // One connection attempt to one address, handshake included: true with `c` connected,
+  // or false with `err` set when worth retrying; throws when retrying cannot help.
+  bool tryConnect(StoreConn& c, const addrinfo* a, Deadline deadline, int& err) {
+    c.close();
     int s = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
     if (s < 0) {
       err = errno;
-      return -1;
+      return false;
     }
     if (::connect(s, a->ai_addr, a->ai_addrlen) != 0) {
       if (errno != EINPROGRESS) {
         err = errno;
         ::close(s);
-        return -1;
+        return false;
       }
       pollfd p{s, POLLOUT, 0};
       int rc = ::poll(&p, 1, pollTimeoutMs(deadline.at()));
@@ -1022,45 +1093,44 @@ struct TcpStore::Impl {
       if (so_error != 0) {
         err = so_error;
         ::close(s);
-        return -1;
+        return false;
       }
     }
     setNoDelay(s);
-    fd = s;
-    in.clear();
+    c.fd = s;
     try {
       std::string hello;
       putU32(hello, kMagic);
       putU16(hello, kProtocolVersion);
       putU16(hello, secret.empty() ? 0 : kHelloFlagSecret);
-      sendAll(hello, deadline);
-      while (in.size() < kHelloBytes) recvSome(deadline);
-      if (getU32(in.data()) == kMagic && getU16(in.data() + 6) == kHelloAuth) {
-        while (in.size() < kHelloBytes + kNonceBytes) recvSome(deadline);
+      sendAll(c, hello, deadline);
+      while (c.in.size() < kHelloBytes) recvSome(c, deadline);
+      if (getU32(c.in.data()) == kMagic && getU16(c.in.data() + 6) == kHelloAuth) {
+        while (c.in.size() < kHelloBytes + kNonceBytes) recvSome(c, deadline);
         if (secret.empty()) {
-          closeFd();
+          c.close();
           throw InvalidUsage(
               fmt::format("{}the store at {} requires authentication: set CROSSBAR_SECRET (or "
                           "CROSSBAR_SECRET_FILE) to the job's secret on this rank too",
                           context("connect"), addr));
         }
-        authenticate(in.substr(kHelloBytes, kNonceBytes), deadline);
-        in.erase(kHelloBytes, kNonceBytes);
+        authenticate(c, c.in.substr(kHelloBytes, kNonceBytes), deadline);
+        c.in.erase(kHelloBytes, kNonceBytes);
       }
     } catch (const ConnectionLost& e) {
       err = e.err ? e.err : ECONNRESET;
-      closeFd();
-      return -1;
+      c.close();
+      return false;
     } catch (const ReplyTimeout&) {
       err = ETIMEDOUT;
-      closeFd();
-      return -1;
+      c.close();
+      return false;
     }
-    const uint32_t magic = getU32(in.data());
-    const uint16_t version = getU16(in.data() + 4), status = getU16(in.data() + 6);
-    in.erase(0, kHelloBytes);
+    const uint32_t magic = getU32(c.in.data());
+    const uint16_t version = getU16(c.in.data() + 4), status = getU16(c.in.data() + 6);
+    c.in.erase(0, kHelloBytes);
     if (magic != kMagic) {
-      closeFd();
+      c.close();
       throw SystemError(
           fmt::format("{}the service at {} is not a crossbar store (bad handshake); check the "
                       "store address (MASTER_ADDR/MASTER_PORT or CROSSBAR_STORE_ADDR)",
@@ -1068,7 +1138,7 @@ struct TcpStore::Impl {
     }
     if (status == kHelloOk && !secret.empty()) {
       // We could not tell this server from an impostor: refuse rather than leak keys to it.
-      closeFd();
+      c.close();
       throw InvalidUsage(
           fmt::format("{}CROSSBAR_SECRET (or CROSSBAR_SECRET_FILE) is set here, but the store at {} does "
                       "not authenticate: set the same secret where the store runs (rank 0 or "
@@ -1076,49 +1146,48 @@ struct TcpStore::Impl {
                       context("connect"), addr));
     }
     if (status != kHelloOk && status != kHelloAuth) {
-      closeFd();
+      c.close();
       throw InvalidUsage(
           fmt::format("{}the store at {} speaks store protocol version {}, this client speaks {}; "
                       "run the same crossbar version everywhere",
                       context("connect"), addr, version, kProtocolVersion));
     }
-    fd = -1;  // handed to the caller
-    return s;
+    return true;
   }
 
   // Answers the server's challenge and checks its proof. Throws InvalidUsage when
   // either side's secret is wrong (retrying cannot help); I/O errors propagate.
-  void authenticate(const std::string& server_nonce, Deadline deadline) {
+  void authenticate(StoreConn& c, const std::string& server_nonce, Deadline deadline) {
     const std::string client_nonce = auth::randomBytes(kNonceBytes);
     const auth::Digest mac = auth::hmacSha256(secret, authMessage(server_nonce, kClientLabel, client_nonce));
     std::string answer = client_nonce;
     answer.append(reinterpret_cast<const char*>(mac.data()), mac.size());
-    sendAll(answer, deadline);
+    sendAll(c, answer, deadline);
     const size_t at = kHelloBytes + kNonceBytes;  // `in` still holds hello and nonce
-    while (in.size() < at + 4) recvSome(deadline);
-    if (getU16(in.data() + at) != kAuthOk) {
-      closeFd();
+    while (c.in.size() < at + 4) recvSome(c, deadline);
+    if (getU16(c.in.data() + at) != kAuthOk) {
+      c.close();
       throw InvalidUsage(
           fmt::format("{}the store at {} rejected our credentials: CROSSBAR_SECRET differs "
                       "between ranks? Give every rank and the store the same secret",
                       context("connect"), addr));
     }
-    while (in.size() < at + 4 + kMacBytes) recvSome(deadline);
+    while (c.in.size() < at + 4 + kMacBytes) recvSome(c, deadline);
     const auth::Digest want = auth::hmacSha256(secret, authMessage(client_nonce, kServerLabel, server_nonce));
-    if (!auth::constantTimeEqual(want.data(), in.data() + at + 4, kMacBytes)) {
-      closeFd();
+    if (!auth::constantTimeEqual(want.data(), c.in.data() + at + 4, kMacBytes)) {
+      c.close();
       throw InvalidUsage(
           fmt::format("{}the store at {} could not prove it knows CROSSBAR_SECRET: the "
                       "secret differs between ranks, or something else answers at that "
                       "address",
                       context("connect"), addr));
     }
-    in.erase(at, 4 + kMacBytes);
+    c.in.erase(at, 4 + kMacBytes);
   }
 
-  // Connects with retry until `window` passes (the server may start later).
+  // Connects `c` with retry until `window` passes (the server may start later).
   // Returns false with `last_error` when it could not.
-  bool connectWithin(Millis window, std::string& last_error) {
+  bool connectWithin(StoreConn& c, Millis window, std::string& last_error) {
     const Deadline deadline = Deadline::after(window);
     Millis backoff(10);
     for (;;) {
@@ -1128,12 +1197,7 @@ struct TcpStore::Impl {
       } else {
         for (addrinfo* a = ai.head; a; a = a->ai_next) {
           int err = 0;
-          int s = tryConnect(a, deadline.min(Deadline::after(Millis(5000))), err);
-          if (s >= 0) {
-            fd = s;
-            pid = getpid();
-            return true;
-          }
+          if (tryConnect(c, a, deadline.min(Deadline::after(Millis(5000))), err)) return true;
           last_error = std::strerror(err);
         }
       }
@@ -1152,25 +1216,26 @@ struct TcpStore::Impl {
   }
 
   // The server closes idle connections only when it goes away; notice before sending.
-  bool idleConnectionBroken() {
-    pollfd p{fd, POLLIN | POLLRDHUP, 0};
+  static bool idleConnectionBroken(const StoreConn& c) {
+    pollfd p{c.fd, POLLIN | POLLRDHUP, 0};
     return ::poll(&p, 1, 0) > 0;
   }
 
-  // Sends a request and returns the reply; reconnects on a broken connection and,
-  // for idempotent requests, retries once after a failure mid-request.
-  Frame call(std::string_view op, const std::string& request, Deadline reply_deadline, bool idempotent) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (fd >= 0 && pid != getpid()) closeFd();  // a forked child needs its own connection
+  // Sends a request on a connection of the pool and returns the reply; reconnects on a
+  // broken connection and, for idempotent requests, retries once after a failure
+  // mid-request. `parks`: a get or wait, which the server answers when its keys are set.
+  Frame call(std::string_view op, const std::string& request, Deadline reply_deadline, bool idempotent,
+             bool parks = false) {
+    Lease c(*this, op, reply_deadline, parks);
     for (int attempt = 0;; ++attempt) {
-      if (fd >= 0 && idleConnectionBroken()) closeFd();
-      if (fd < 0) {
+      if (c->fd >= 0 && idleConnectionBroken(*c)) c->close();
+      if (c->fd < 0) {
         std::string why;
-        if (!connectWithin(std::min(options.connect_timeout, kReconnectWindow), why)) throwLost(op, why);
+        if (!connectWithin(*c, std::min(options.connect_timeout, kReconnectWindow), why)) throwLost(op, why);
       }
       try {
-        sendAll(request, reply_deadline);
-        Frame reply = recvFrame(reply_deadline);
+        sendAll(*c, request, reply_deadline);
+        Frame reply = recvFrame(*c, reply_deadline);
         if (reply.code == static_cast<uint16_t>(Status::kError)) {
           std::string msg =
               context(op) + (reply.args.empty() ? "the store reported an error" : reply.args[0]);
@@ -1179,13 +1244,13 @@ struct TcpStore::Impl {
         }
         return reply;
       } catch (const ConnectionLost& e) {
-        closeFd();
+        c->close();
         const std::string why = e.err ? std::strerror(e.err) : "the server closed the connection";
         if (!idempotent || attempt >= 1) throwLost(op, why);
         CB_WARN("store", "store {}: connection to {} broke ({}); reconnecting and retrying once", op, addr,
                 why);
       } catch (const ReplyTimeout&) {
-        closeFd();  // a late reply would desynchronize the stream
+        c->close();  // a late reply would desynchronize the stream
         throw Timeout(
             fmt::format("{}no reply from the store at {} in time; the store may be overloaded or hung",
                         context(op), addr));
@@ -1228,7 +1293,9 @@ TcpStore::TcpStore(const TcpStoreOptions& options) : impl_(std::make_unique<Impl
     throw InvalidArgument(errorContext(-1, "store connect") +
                           "port 0 names no store; give the store's port (or is_server=true to serve one)");
   std::string why;
-  if (!impl_->connectWithin(options.connect_timeout, why))
+  // The first connection, kept in the pool: the store must be there before anything runs.
+  Impl::Lease first(*impl_, "connect", Deadline::never(), false);
+  if (!impl_->connectWithin(*first, options.connect_timeout, why))
     throw Timeout(
         fmt::format("{}could not connect to the store at {} within {} ms (last error: {}). Is the "
                     "store (rank 0 or crossbar-store) running and reachable from this host? Check "
@@ -1255,7 +1322,7 @@ Bytes TcpStore::get(const std::string& key, Deadline deadline) {
   const Millis timeout = deadline.remaining();
   FrameBuilder f(static_cast<uint16_t>(Op::kGet));
   f.arg(key).argInt(timeout.count());
-  Frame reply = impl_->call("get", f.data(), Deadline::after(timeout + kReplyGrace), true);
+  Frame reply = impl_->call("get", f.data(), Deadline::after(timeout + kReplyGrace), true, true);
   if (reply.code == static_cast<uint16_t>(Status::kTimeout))
     throw Timeout(
         fmt::format("{}key '{}' was not set within {} ms on the store at {}. Check that the rank "
@@ -1303,7 +1370,7 @@ void TcpStore::wait(const std::vector<std::string>& keys, Deadline deadline) {
   FrameBuilder f(static_cast<uint16_t>(Op::kWait));
   f.argInt(timeout.count());
   for (auto& k : keys) f.arg(k);
-  Frame reply = impl_->call("wait", f.data(), Deadline::after(timeout + kReplyGrace), true);
+  Frame reply = impl_->call("wait", f.data(), Deadline::after(timeout + kReplyGrace), true, true);
   if (reply.code == static_cast<uint16_t>(Status::kTimeout))
     throw Timeout(
         fmt::format("{}{} of {} keys not set within {} ms on the store at {}: missing {}. Check that "

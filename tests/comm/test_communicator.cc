@@ -114,6 +114,48 @@ TEST(Communicator, SplitAndDup) {
   });
 }
 
+// Threads splitting several communicators at once (torch's process groups, the
+// hierarchical collectives of duplicated communicators): each split waits on the store
+// for the others' entries, so one thread's parked get must not hold up the entries of
+// another thread of the same process. With one store connection per process they waited
+// on each other across processes (the soak's stalls; here: seconds per round, or the
+// timeout below).
+TEST(Communicator, ThreadsSplitSeveralCommunicatorsAtOnce) {
+  runRanks(4, [](RankEnv& env) {
+    CommOptions o;
+    o.timeout = Millis(20'000);
+    auto world = env.communicator(o);
+    constexpr int kThreads = 3, kRounds = 15;
+    std::vector<std::shared_ptr<Communicator>> dups;
+    for (int t = 0; t < kThreads; ++t) dups.push_back(world->dup());
+    std::vector<std::string> errors(kThreads);
+    std::vector<std::thread> threads;
+    const auto t0 = Clock::now();
+    for (int t = 0; t < kThreads; ++t)
+      threads.emplace_back([&, t] {
+        try {
+          for (int i = 0; i < kRounds; ++i) {
+            // Ranks reach each round at different times: some park in get, some set.
+            if ((env.rank + t + i) % 3 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+            auto half = dups[t]->split(env.rank % 2, env.rank);
+            ASSERT_EQ(half->size(), 2);
+            allPairs(*half, 1, 3);
+            half->destroy();
+          }
+        } catch (const std::exception& e) {
+          errors[t] = e.what();
+        }
+      });
+    for (auto& th : threads) th.join();
+    for (int t = 0; t < kThreads; ++t) EXPECT_EQ(errors[t], "") << "thread " << t;
+    if (env.rank == 0)
+      std::printf("%d threads x %d splits: %.0f ms\n", kThreads, kRounds,
+                  std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    for (auto& d : dups) d->destroy();
+    world->barrier();
+  });
+}
+
 // Virtual nodes split one machine: localRank/localSize are per node, machineLocalRank/
 // machineLocalSize count every rank of the communicator on the machine (what core binding
 // and the spin-or-yield choice need); a split counts its own members only.

@@ -323,6 +323,46 @@ TEST_P(StoreTest, ThreadsShareOneClient) {
   EXPECT_EQ(store_->add("shared", 0), 1000);
 }
 
+// A thread parked in get() must not hold up the other threads of the same client: the
+// set it waits for comes from one of them (a single shared connection made this a
+// deadlock until the get's deadline; threads splitting several communicators at once
+// stalled each other across processes that way).
+TEST_P(StoreTest, ParkedGetDoesNotBlockOtherThreadsOfTheClient) {
+  std::string got;
+  std::thread waiter([&] {
+    try {
+      got = toString(store_->get("parked", Deadline::after(30s)));
+    } catch (const std::exception& e) {
+      got = e.what();
+    }
+  });
+  std::this_thread::sleep_for(100ms);  // the get is parked (the test passes either way)
+  store_->set("parked", "v");
+  waiter.join();
+  EXPECT_EQ(got, "v");
+}
+
+// More parked gets than the client keeps connections for: the sets still go through.
+TEST_P(StoreTest, ManyParkedThreadsStillLetSetsThrough) {
+  constexpr int kThreads = 24;
+  std::vector<std::string> got(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      try {
+        got[t] = toString(store_->get(fmt::format("k{}", t), Deadline::after(30s)));
+        store_->wait({"all"}, Deadline::after(30s));
+      } catch (const std::exception& e) {
+        got[t] = e.what();
+      }
+    });
+  std::this_thread::sleep_for(100ms);
+  for (int t = 0; t < kThreads; ++t) store_->set(fmt::format("k{}", t), fmt::format("v{}", t));
+  store_->set("all", "1");
+  for (auto& t : threads) t.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(got[t], fmt::format("v{}", t));
+}
+
 TEST_P(StoreTest, OversizedKeyAndValueAreRejectedClearly) {
   const std::string long_key(kStoreMaxKeyBytes + 1, 'k');
   try {
