@@ -359,10 +359,48 @@ void TorchStoreAdapter::set(const std::string& key, const Bytes& value) {
   }
 }
 
+// A clone for one parked request, given back when it ends.
+struct TorchStoreAdapter::Waiter {
+  TorchStoreAdapter& a;
+  c10::intrusive_ptr<c10d::Store> store;
+  explicit Waiter(TorchStoreAdapter& adapter) : a(adapter), store(adapter.leaseWaiter()) {}
+  ~Waiter() { a.returnWaiter(std::move(store)); }
+};
+
+c10::intrusive_ptr<c10d::Store> TorchStoreAdapter::leaseWaiter() {
+  {
+    std::lock_guard<std::mutex> lk(pool_m_);
+    if (!idle_.empty()) {
+      auto s = std::move(idle_.back());
+      idle_.pop_back();
+      return s;
+    }
+    if (cannot_clone_ || clones_ >= kMaxWaiters) return store_;
+    ++clones_;
+  }
+  try {
+    auto s = store_->clone();
+    if (s) return s;
+  } catch (const std::exception& e) {
+    CB_INFO("torch", "the torch store cannot be cloned ({}); parked waits share its connection", e.what());
+  }
+  std::lock_guard<std::mutex> lk(pool_m_);
+  --clones_;
+  cannot_clone_ = true;
+  return store_;
+}
+
+void TorchStoreAdapter::returnWaiter(c10::intrusive_ptr<c10d::Store> s) {
+  if (s.get() == store_.get()) return;
+  std::lock_guard<std::mutex> lk(pool_m_);
+  idle_.push_back(std::move(s));
+}
+
 Bytes TorchStoreAdapter::get(const std::string& key, Deadline deadline) {
   try {
-    store_->wait({key}, storeTimeout(deadline));
-    return store_->get(key);
+    Waiter w(*this);
+    w.store->wait({key}, storeTimeout(deadline));
+    return w.store->get(key);
   } catch (...) {
     rethrowStoreError("get(" + key + ")", deadline.expired());
   }
@@ -394,7 +432,8 @@ bool TorchStoreAdapter::check(const std::vector<std::string>& keys) {
 
 void TorchStoreAdapter::wait(const std::vector<std::string>& keys, Deadline deadline) {
   try {
-    store_->wait(keys, storeTimeout(deadline));
+    Waiter w(*this);
+    w.store->wait(keys, storeTimeout(deadline));
   } catch (...) {
     std::string names;
     for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;

@@ -71,7 +71,22 @@ class TorchStoreAdapter : public crossbar::Store {
   using crossbar::Store::wait;
 
  private:
+  // Parked requests (get, wait) run on a clone of the store (for a TCPStore: its own
+  // connection), one per thread parked at once, up to kMaxWaiters: torch's TCPStore client
+  // runs one request at a time, so a thread's parked wait would hold up the set that
+  // another thread of this process owes a peer (threads splitting communicators at once
+  // waited on each other across processes that way; crossbar's own TcpStore pools too).
+  // Beyond the limit, or when the store cannot be cloned, the store itself.
+  static constexpr int kMaxWaiters = 8;
+  struct Waiter;
+  c10::intrusive_ptr<c10d::Store> leaseWaiter();
+  void returnWaiter(c10::intrusive_ptr<c10d::Store> s);
+
   c10::intrusive_ptr<c10d::Store> store_;
+  std::mutex pool_m_;
+  std::vector<c10::intrusive_ptr<c10d::Store>> idle_;  // clones not in use
+  int clones_ = 0;                                     // clones made (idle or leased)
+  bool cannot_clone_ = false;
 };
 
 // Wakes the backend's completion or point-to-point thread (CrossbarBackend::completionLoop,
