@@ -14,9 +14,9 @@
 // hasFinished() alone (which never runs the call: the worker thread must, and a call
 // still unfinished after --stall-seconds (20 s) is reported). Now and then calls are
 // grouped (groupStart/groupEnd), some groups with a ring of sends and receives, and a
-// quarter of the one-node rounds run 2-3 threads at once, each on its own duplicate of
-// the communicator with its own Collectives (--node-threads 1: a quarter of all rounds;
-// 2: every round, each on several virtual nodes). The worker's start-poll period
+// quarter of the rounds run 2-3 threads at once, each on its own duplicate of the
+// communicator with its own Collectives (--node-threads 0: one-node rounds only; 2: every
+// round, each on several virtual nodes). The worker's start-poll period
 // (CROSSBAR_COLL_START_POLL_US: 500, 50 or 0 = a wake-up per issue) is random per round.
 // When no call completed for half the stall bound, every rank prints its queues' state.
 #include <fmt/format.h>
@@ -210,12 +210,10 @@ struct Options {
   // --replay "SEED RANKS PER_NODE CHECK POLL THREADS": every round is that round (as a
   // round's line prints it), to chase a failure that depends on timing.
   std::string replay;
-  // Threads on duplicates also in rounds of several (virtual) nodes. Off by default: there
-  // a call polled with hasFinished() alone was seen unfinished for 20 s in about 1 of 130
-  // such rounds (session 19, docs/reliability.md; not yet explained).
-  // Threads on duplicates in rounds with several virtual nodes: 0 never, 1 as in
-  // one-node rounds, 2 every round (several nodes, 2-3 threads: to chase what only they do).
-  int node_threads = 0;
+  // Threads on duplicates in rounds with several virtual nodes: 0 never, 1 as in one-node
+  // rounds, 2 every round (several nodes, 2-3 threads: to chase what only they do; it
+  // found the store client's cross-thread stall, docs/reliability.md, Soak).
+  int node_threads = 1;
 };
 
 // One issued operation: its buffers (kept until it completes), its Work, and the
