@@ -523,8 +523,8 @@ std::string Queue::state() const {
   const size_t shown = std::min<size_t>(items.size(), 4);
   for (size_t i = 0; i < shown; ++i) {
     const WorkImpl& w = *items[i];
-    s += fmt::format("{}{}{} (left queued {})", i ? ", " : ": ", w.description(),
-                     w.eager_published ? " [published]" : "", ago(w.enqueued));
+    s += fmt::format("{}{}{} ({})", i ? ", " : ": ", w.description(), w.eager_published ? " [published]" : "",
+                     w.enqueued == Clock::time_point{} ? "being issued" : "left queued " + ago(w.enqueued));
   }
   if (shown < items.size()) s += fmt::format(", ... {} more", items.size() - shown);
   const char* worker = running && running_on_worker ? "executing"

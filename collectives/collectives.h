@@ -103,7 +103,7 @@ class Collectives {
 
   // One line for hang reports: what executes (on the worker or a calling thread, since
   // when), what is queued (published eager slots marked), what the worker does, how many
-  // threads wait to run the head. "rank 2 world.dup1: 1 unfinished; nothing executing;
+  // threads wait to run the head. "rank 2 world.1: 1 unfinished; nothing executing;
   // 1 queued: reduce_scatter ... (left queued 20.001 s ago); worker asleep until ..."
   std::string state() const;
 

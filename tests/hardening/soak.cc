@@ -204,9 +204,8 @@ struct Options {
   int max_ranks = 6;
   size_t max_count = 1 << 17;
   int ops_per_round = 60;
-  int stall_seconds = 20;
-  std::string stall_stacks;  // a folder: the stall watch writes each rank's thread stacks there (gdb)  // a
-                             // call polled with hasFinished() alone must finish within this
+  int stall_seconds = 20;    // a call polled with hasFinished() alone must finish within this
+  std::string stall_stacks;  // a folder: the stall watch writes each rank's thread stacks there (gdb)
   // --replay "SEED RANKS PER_NODE CHECK POLL THREADS": every round is that round (as a
   // round's line prints it), to chase a failure that depends on timing.
   std::string replay;
