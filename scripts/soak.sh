@@ -6,6 +6,8 @@
 #
 #   scripts/soak.sh                 10 minutes, seed 1, up to 6 ranks
 #   scripts/soak.sh 3600 --seed 7 --max-ranks 8 --max-count 1048576 --ops 100
+#   scripts/soak.sh 900 --node-threads 2 --stall-stacks /tmp/stacks   (chase a stall: every
+#       round on virtual nodes with threads; stalled ranks' queues and gdb stacks)
 #
 # Builds bin/crossbar-soak in $CROSSBAR_BUILD_DIR (default build). With sanitizers:
 #   CROSSBAR_BUILD_DIR=build-asan scripts/soak.sh 600   (after scripts/sanitize.sh --asan)
